@@ -1,0 +1,55 @@
+"""Command-line flags shared by the scripts in ``experiments/``."""
+
+import argparse
+import pathlib
+
+from fedjax_graph.config import Config, load_preset
+from fedjax_graph.models import BACKBONES
+
+
+def float_list(text: str) -> list[float]:
+  """'0.1,0.3' -> [0.1, 0.3]; argparse reports a ValueError as a usage error."""
+  try:
+    return [float(v) for v in text.split(",") if v.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {text!r}")
+
+
+def int_list(text: str) -> list[int]:
+  """'0,1,2' -> [0, 1, 2]."""
+  try:
+    return [int(v) for v in text.split(",") if v.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
+
+
+def add_federation_flags(parser: argparse.ArgumentParser) -> None:
+  """Dataset, preset, rounds, seeds, data locations and run controls."""
+  parser.add_argument("--dataset", required=True, choices=["twitch", "wikinet"],
+                      help="MUSAE dataset: twitch (6 countries) or wikinet (3 wikis)")
+  parser.add_argument("--setting", default=None,
+                      help="preset in configs/: s1, s2, s3 for twitch (default s1); "
+                           "default for wikinet")
+  parser.add_argument("--backbone", default=None, choices=sorted(BACKBONES),
+                      help="model (default: the preset's, pmlp_gcn)")
+  parser.add_argument("--rounds", type=int, default=200, help="rounds T (default: %(default)s)")
+  parser.add_argument("--seeds", type=int_list, default="0",
+                      help="comma list of seeds, run together in one batch (default: %(default)s)")
+  parser.add_argument("--raw-dir", type=pathlib.Path, default=None,
+                      help="raw MUSAE files in the SNAP layout (default: $FEDJAX_GRAPH_RAW, "
+                           "else the cache, else download from SNAP)")
+  parser.add_argument("--cache-dir", type=pathlib.Path, default=None,
+                      help="prepared-data cache (default: $FEDJAX_GRAPH_CACHE or "
+                           "~/.cache/fedjax_graph)")
+  parser.add_argument("--chunk", type=int, default=10,
+                      help="rounds per compiled call; progress updates per chunk "
+                           "(default: %(default)s)")
+  parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def config_from_args(parser: argparse.ArgumentParser, args) -> Config:
+  """The preset named by the flags, or a usage error naming the bad value."""
+  try:
+    return load_preset(args.dataset, args.setting, backbone=args.backbone)
+  except ValueError as err:
+    parser.error(str(err))

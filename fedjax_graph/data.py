@@ -1,0 +1,191 @@
+"""Prepared domain graphs → a padded, stacked federation (host, numpy, once).
+
+``build_federation`` turns the domain graphs of a dataset into everything the
+simulation needs, for a batch of seeds at once: client shards grouped into size
+buckets and stacked ``[S, C_b, ...]``, and one evaluation graph (the disjoint
+union of the full domain graphs) with per-seed validation/test masks.
+
+The seed drives the partition, the splits and (in the simulation) the model's
+initialisation and dropout, so a batch of seeds is a batch of independent runs.
+"""
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from fedjax_graph import graphs, partition
+from fedjax_graph.config import Config
+from fedjax_graph.graphs import CSRGraph
+from fedjax_graph.types import Shard
+
+
+@dataclasses.dataclass(frozen=True)
+class Federation:
+  """A padded federation for S seeds (numpy arrays; shapes fixed here).
+
+  Attributes:
+    domains: the D domain names, in dataset order.
+    num_classes: K.
+    seeds: the S seeds, in batch order.
+    client_domain: i32[C] domain index of each client (clients of a domain are
+      consecutive, domains in dataset order).
+    train_counts: f32[C] training nodes per client (the FedAvg weights; equal
+      across seeds because part and split sizes depend only on node counts).
+    bucket_clients: per bucket, the client indices it holds (static).
+    bucket_train_rows: per bucket, the largest training-node count: a model
+      that does not propagate while training only needs these first rows.
+    client_shards: per bucket, a ``Shard`` with leaves [S, C_b, ...].
+    eval_x: f32[N, F] features of the union of the full domain graphs.
+    eval_y: i32[N] labels.
+    eval_domain: i32[N] domain of each node, D on padding rows.
+    eval_graph: the union's ``CSRGraph`` (shared by every seed and model).
+    eval_val: bool[S, N] validation nodes (union of the clients' validation nodes).
+    eval_test: bool[S, N] test nodes (union of the clients' test nodes).
+  """
+  domains: tuple[str, ...]
+  num_classes: int
+  seeds: tuple[int, ...]
+  client_domain: np.ndarray
+  train_counts: np.ndarray
+  bucket_clients: tuple[tuple[int, ...], ...]
+  bucket_train_rows: tuple[int, ...]
+  client_shards: tuple[Shard, ...]
+  eval_x: np.ndarray
+  eval_y: np.ndarray
+  eval_domain: np.ndarray
+  eval_graph: CSRGraph
+  eval_val: np.ndarray
+  eval_test: np.ndarray
+
+  @property
+  def num_clients(self) -> int:
+    return len(self.client_domain)
+
+  def client_sizes(self) -> list[tuple[str, int]]:
+    """(domain, padded node budget) of each bucket, for logs."""
+    return [(f"{len(c)} clients", s.x.shape[-2]) for c, s in zip(self.bucket_clients,
+                                                                  self.client_shards)]
+
+
+def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np.ndarray]],
+                     seeds: Sequence[int], pad_multiple: int = 8) -> Federation:
+  """Partitions, splits, pads and stacks the federation of ``config`` for ``seeds``.
+
+  Args:
+    config: the federation preset (clients per domain, split fractions, buckets).
+    domain_graphs: ``{domain: {"x": f32[N, F], "y": i32[N], "edge_index": i32[2, E]}}``
+      for every domain of ``config.dataset`` (as ``data_prep.load_domain`` gives).
+    seeds: the S >= 1 run seeds.
+    pad_multiple: padded sizes are rounded up to a multiple of this.
+
+  Returns:
+    The ``Federation``.
+
+  Raises:
+    ValueError: if a domain is missing, feature widths differ, a domain has
+      fewer nodes than clients, a client gets no training node, or no seed is given.
+  """
+  seeds = tuple(int(s) for s in seeds)
+  if not seeds:
+    raise ValueError("at least one seed is needed")
+  domains = config.domains
+  missing = [d for d in domains if d not in domain_graphs]
+  if missing:
+    raise ValueError(f"no graph for domain(s) {missing}")
+  widths = {domain_graphs[d]["x"].shape[1] for d in domains}
+  if len(widths) != 1:
+    raise ValueError(f"domains have different feature widths {sorted(widths)}")
+  num_classes = int(max(domain_graphs[d]["y"].max() for d in domains)) + 1
+
+  per_seed = [[client for i, d in enumerate(domains)
+               for client in partition.partition_domain(
+                   len(domain_graphs[d]["y"]), domain_graphs[d]["edge_index"],
+                   config.clients_per_domain[d], config.split, seed, i)]
+              for seed in seeds]
+  client_domain = np.repeat(np.arange(len(domains)), list(config.clients_per_domain.values()))
+  first = per_seed[0]
+  train_counts = np.array([c.num_train for c in first], np.float32)
+  empty = [f"{domains[client_domain[k]]} client {k}" for k in range(len(first))
+           if first[k].num_train == 0]
+  if empty:
+    raise ValueError(f"client(s) without training nodes: {empty}; use fewer clients per domain")
+
+  buckets = graphs.size_buckets([len(c.nodes) for c in first], config.max_buckets)
+  shards, train_rows = [], []
+  for bucket in buckets:
+    n_node = graphs.padding_budget(max(len(first[k].nodes) for k in bucket), pad_multiple)
+    n_edge = graphs.padding_budget(
+        max(clients[k].edge_index.shape[1] for clients in per_seed for k in bucket), pad_multiple)
+    shards.append(graphs.stack([
+        graphs.stack([_client_shard(clients[k], domain_graphs[domains[client_domain[k]]],
+                                    client_domain[k], len(domains), n_node, n_edge)
+                      for k in bucket])
+        for clients in per_seed]))
+    train_rows.append(max(first[k].num_train for k in bucket))
+
+  eval_x, eval_y, eval_domain, eval_graph, offsets = _union_graph(domain_graphs, domains,
+                                                                  pad_multiple)
+  eval_val = np.zeros((len(seeds), len(eval_y)), bool)
+  eval_test = np.zeros((len(seeds), len(eval_y)), bool)
+  for s, clients in enumerate(per_seed):
+    for k, c in enumerate(clients):
+      rows = offsets[client_domain[k]] + c.nodes
+      eval_val[s, rows[c.num_train:c.num_train + c.num_val]] = True
+      eval_test[s, rows[c.num_train + c.num_val:]] = True
+  return Federation(domains=domains, num_classes=num_classes, seeds=seeds,
+                    client_domain=client_domain.astype(np.int32), train_counts=train_counts,
+                    bucket_clients=tuple(tuple(b) for b in buckets),
+                    bucket_train_rows=tuple(train_rows), client_shards=tuple(shards),
+                    eval_x=eval_x, eval_y=eval_y, eval_domain=eval_domain,
+                    eval_graph=eval_graph, eval_val=eval_val, eval_test=eval_test)
+
+
+def _client_shard(client: partition.ClientGraph, domain: Mapping[str, np.ndarray],
+                  domain_index: int, num_domains: int, n_node: int, n_edge: int) -> Shard:
+  n = len(client.nodes)
+  rows = np.arange(n)
+  masks = dict(train=rows < client.num_train,
+               val=(rows >= client.num_train) & (rows < client.num_train + client.num_val),
+               test=rows >= client.num_train + client.num_val)
+  return graphs.pad_graph(domain["x"][client.nodes], domain["y"][client.nodes],
+                          client.edge_index, masks, np.full(n, domain_index), num_domains,
+                          n_node, n_edge)
+
+
+def _union_graph(domain_graphs, domains, pad_multiple):
+  """The disjoint union of the full domain graphs, padded (host)."""
+  sizes = [len(domain_graphs[d]["y"]) for d in domains]
+  offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  total = int(sum(sizes))
+  rows = graphs.padding_budget(total, pad_multiple)
+  pad = rows - total
+  x = np.concatenate([domain_graphs[d]["x"] for d in domains]
+                     + [np.zeros((pad, domain_graphs[domains[0]]["x"].shape[1]), np.float32)])
+  y = np.concatenate([domain_graphs[d]["y"] for d in domains] + [np.zeros(pad, np.int64)])
+  node_domain = np.concatenate([np.full(n, i) for i, n in enumerate(sizes)]
+                               + [np.full(pad, len(domains))])
+  edge_index = np.concatenate([domain_graphs[d]["edge_index"] + o
+                               for d, o in zip(domains, offsets)], axis=1)
+  return (x.astype(np.float32), y.astype(np.int32), node_domain.astype(np.int32),
+          graphs.csr_graph(edge_index, total, rows), offsets)
+
+
+def load_dataset(dataset: str, raw_dir=None, cache_dir=None) -> tuple[dict, dict]:
+  """Prepares (on first use) and loads every domain of ``dataset``.
+
+  Args:
+    dataset: ``twitch`` or ``wikinet``.
+    raw_dir: the raw MUSAE files (SNAP layout); None: ``$FEDJAX_GRAPH_RAW``, the
+      cache, or a download (see ``data_prep.prepare``).
+    cache_dir: the prepared-data cache; None: ``$FEDJAX_GRAPH_CACHE`` or
+      ``~/.cache/fedjax_graph``.
+
+  Returns:
+    (``{domain: {"x", "y", "edge_index"}}``, the cache's meta.json contents).
+  """
+  import data_prep  # Host-only; kept out of the import path of the JAX modules.
+
+  prepared = data_prep.prepare(dataset, raw_dir=raw_dir, cache_dir=cache_dir)
+  graphs_ = {d: data_prep.load_domain(prepared, d) for d in data_prep.DATASETS[dataset]}
+  return graphs_, data_prep.load_meta(prepared)

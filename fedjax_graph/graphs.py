@@ -1,0 +1,209 @@
+"""Padded graph shards: GCN normalisation, padding with jraph, size buckets.
+
+Everything here except ``propagate`` runs once on the host with numpy, so that
+every shape the simulation sees is fixed before the first compile.
+
+References:
+  Kipf & Welling, "Semi-Supervised Classification with Graph Convolutional
+  Networks", ICLR 2017, eq. (2): the normalised adjacency D^-1/2 (A+I) D^-1/2.
+"""
+
+import itertools
+from typing import NamedTuple, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import jraph
+import numpy as np
+import scipy.sparse
+from jax.experimental import sparse as jsparse
+
+from fedjax_graph.types import Array, Shard
+
+
+class CSRGraph(NamedTuple):
+  """The normalised adjacency D^-1/2 (A+I) D^-1/2 of one graph in CSR form.
+
+  Used for a graph that every model in a batch shares (the evaluation graph):
+  propagation is then one sparse-dense product with all models' features side
+  by side, which XLA runs as a single CSR kernel call.
+
+  Attributes:
+    data: f32[nnz] normalised weights (self-loops included).
+    indices: i32[nnz] column (sender) of each entry.
+    indptr: i32[N+1] row (receiver) pointers; padding rows are empty.
+  """
+  data: Array
+  indices: Array
+  indptr: Array
+
+
+def gcn_weights(edge_index: np.ndarray, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+  """Weights of D^-1/2 (A+I) D^-1/2 for a graph whose edges come in both directions.
+
+  Args:
+    edge_index: int[2, E] directed edges (sender row 0, receiver row 1), no self-loops.
+    num_nodes: N.
+
+  Returns:
+    edge_weight f32[E] = 1/sqrt(d_s d_r) and self_weight f32[N] = 1/d, where d
+    is the in-degree plus one for the self-loop, so an isolated node has d = 1
+    and no division by zero can occur.
+  """
+  deg = np.bincount(edge_index[1], minlength=num_nodes).astype(np.float64) + 1.0
+  inv_sqrt = 1.0 / np.sqrt(deg)
+  edge_weight = inv_sqrt[edge_index[0]] * inv_sqrt[edge_index[1]]
+  return edge_weight.astype(np.float32), (1.0 / deg).astype(np.float32)
+
+
+def csr_graph(edge_index: np.ndarray, num_nodes: int, num_rows: int) -> CSRGraph:
+  """``CSRGraph`` of a graph with ``num_nodes`` real nodes padded to ``num_rows`` (host).
+
+  Args:
+    edge_index: int[2, E] directed edges, both directions, no self-loops.
+    num_nodes: N real nodes.
+    num_rows: padded row count >= N; the extra rows are empty.
+  """
+  edge_weight, self_weight = gcn_weights(edge_index, num_nodes)
+  nodes = np.arange(num_nodes)
+  matrix = scipy.sparse.csr_matrix(
+      (np.concatenate([edge_weight, self_weight]),
+       (np.concatenate([edge_index[1], nodes]), np.concatenate([edge_index[0], nodes]))),
+      shape=(num_rows, num_rows), dtype=np.float32)
+  matrix.sort_indices()
+  return CSRGraph(data=matrix.data, indices=matrix.indices.astype(np.int32),
+                  indptr=matrix.indptr.astype(np.int32))
+
+
+@jax.custom_batching.custom_vmap
+def _csr_matmul(h: Array, data: Array, indices: Array, indptr: Array) -> Array:
+  matrix = jsparse.BCSR((data, indices, indptr), shape=(indptr.shape[0] - 1, h.shape[0]))
+  return matrix @ h
+
+
+@_csr_matmul.def_vmap
+def _csr_matmul_vmap(axis_size, in_batched, h, data, indices, indptr):
+  # A batch of models over one shared graph: put the models side by side in
+  # the feature axis, A @ [h_1 | ... | h_B], so one CSR kernel call serves all
+  # (a vmapped sparse product would otherwise run model by model).
+  h_batched, *graph_batched = in_batched
+  if any(graph_batched):
+    out = jax.vmap(_csr_matmul, in_axes=(0 if h_batched else None,) + tuple(
+        0 if b else None for b in graph_batched))(h, data, indices, indptr)
+    return out, True
+  if not h_batched:
+    return _csr_matmul(h, data, indices, indptr), False
+  side_by_side = jnp.moveaxis(h, 0, 1)
+  flat = side_by_side.reshape(side_by_side.shape[0], -1)
+  out = _csr_matmul(flat, data, indices, indptr).reshape(side_by_side.shape)
+  return jnp.moveaxis(out, 1, 0), True
+
+
+Graph = Union[Shard, CSRGraph]
+
+
+def propagate(h: Array, graph: Graph) -> Array:
+  """One GCN propagation D^-1/2 (A+I) D^-1/2 h on a padded graph.
+
+  Args:
+    h: f32[N, H] node states.
+    graph: an unbatched ``Shard`` (padding edges have weight 0 and padding rows
+      self-weight 0, so padding contributes nothing to real rows), or a
+      ``CSRGraph`` (not differentiable; for inference on a shared graph).
+
+  Returns:
+    f32[N, H]; zero on padding rows.
+  """
+  if isinstance(graph, CSRGraph):
+    return _csr_matmul(h, *graph)
+  messages = h[graph.senders] * graph.edge_weight[:, None]
+  return jax.ops.segment_sum(messages, graph.receivers, num_segments=h.shape[0]) + (
+      graph.self_weight[:, None] * h)
+
+
+def padding_budget(n: int, multiple: int = 8) -> int:
+  """Smallest multiple of ``multiple`` strictly above ``n`` (jraph needs one padding node)."""
+  return (n // multiple + 1) * multiple
+
+
+def pad_graph(x: np.ndarray, y: np.ndarray, edge_index: np.ndarray, masks: dict[str, np.ndarray],
+              node_domain: np.ndarray, num_domains: int, n_node: int, n_edge: int) -> Shard:
+  """Pads one graph to ``n_node`` nodes and ``n_edge`` edges with jraph (host).
+
+  Args:
+    x: f32[N, F] features.  y: int[N] labels.  edge_index: int[2, E].
+    masks: bool[N] arrays under the keys ``train``, ``val``, ``test``.
+    node_domain: int[N] domain index of each node.
+    num_domains: D, written on padding rows of ``node_domain``.
+    n_node: padded node count, > N.  n_edge: padded edge count, >= E.
+
+  Returns:
+    A numpy ``Shard`` without a leading axis.
+
+  Raises:
+    RuntimeError: (from jraph) if the budget is too small.
+  """
+  num_nodes = x.shape[0]
+  edge_weight, self_weight = gcn_weights(edge_index, num_nodes)
+  graph = jraph.GraphsTuple(
+      nodes=dict(x=x.astype(np.float32), y=y.astype(np.int32), self_weight=self_weight,
+                 node_domain=node_domain.astype(np.int32),
+                 **{k: masks[k].astype(bool) for k in ("train", "val", "test")}),
+      edges=dict(weight=edge_weight),
+      senders=edge_index[0].astype(np.int32), receivers=edge_index[1].astype(np.int32),
+      n_node=np.array([num_nodes], np.int32), n_edge=np.array([edge_index.shape[1]], np.int32),
+      globals=None)
+  padded = jraph.pad_with_graphs(graph, n_node=n_node, n_edge=n_edge)
+  real = np.arange(n_node) < num_nodes
+  nodes = padded.nodes
+  return Shard(x=nodes["x"], y=nodes["y"], senders=np.asarray(padded.senders),
+               receivers=np.asarray(padded.receivers), edge_weight=padded.edges["weight"],
+               self_weight=nodes["self_weight"], train=nodes["train"], val=nodes["val"],
+               test=nodes["test"],
+               node_domain=np.where(real, nodes["node_domain"], num_domains).astype(np.int32))
+
+
+def stack(shards: Sequence[Shard]) -> Shard:
+  """Stacks equally padded shards along a new leading axis (host)."""
+  return jax.tree.map(lambda *leaves: np.stack(leaves), *shards)
+
+
+def size_buckets(sizes: Sequence[int], max_buckets: int, min_saving: float = 0.1) -> list[list[int]]:
+  """Groups clients into at most ``max_buckets`` buckets of similar size.
+
+  Sizes are sorted and cut into contiguous runs; the cut points minimise the
+  padded total sum(len(bucket) * max(bucket)), the work a vmap over each bucket
+  does. One more bucket is taken only if it saves more than ``min_saving`` of
+  the padded total, since each bucket is a separate batched computation.
+  Exhaustive over cut points, cheap for the tens of clients of a cross-silo
+  federation.
+
+  Args:
+    sizes: the size (node count) of each client.
+    max_buckets: the most buckets allowed, >= 1.
+    min_saving: the fraction of padded work an extra bucket must save.
+
+  Returns:
+    Lists of client indices, one per bucket, smallest clients first.
+
+  Raises:
+    ValueError: if ``max_buckets`` < 1 or there are no clients.
+  """
+  if max_buckets < 1:
+    raise ValueError(f"max_buckets must be >= 1, got {max_buckets}")
+  if not sizes:
+    raise ValueError("no clients to bucket")
+  order = sorted(range(len(sizes)), key=lambda i: (sizes[i], i))
+  ordered = [sizes[i] for i in order]
+
+  def padded_total(bounds):
+    return sum((hi - lo) * ordered[hi - 1] for lo, hi in zip(bounds, bounds[1:]))
+
+  best = (0, len(sizes))
+  for num_cuts in range(1, min(max_buckets, len(sizes))):
+    bounds = min(((0,) + cuts + (len(sizes),)
+                  for cuts in itertools.combinations(range(1, len(sizes)), num_cuts)),
+                 key=padded_total)
+    if padded_total(bounds) < (1 - min_saving) * padded_total(best):
+      best = bounds
+  return [order[lo:hi] for lo, hi in zip(best, best[1:])]

@@ -1,0 +1,219 @@
+"""One federated round, chunks of rounds, and evaluation, batched over runs.
+
+A *run* is one (seed, grid cell) pair. The whole batch of runs advances
+together: training and aggregation are ``vmap``-ped over cells and seeds (and,
+inside, over the clients of each size bucket), evaluation is ``vmap``-ped too
+and its propagations over the shared evaluation graph fuse into one sparse
+product for all runs (``graphs.propagate`` on a ``CSRGraph``). A chunk of
+rounds is one ``lax.scan``; Python only loops over chunks.
+
+One round (FedIA paper, Algorithm 1, with full participation):
+  1. every client k starts from the global model W and runs its local steps,
+     returning u_k = -(W_k - W)/eta;
+  2. the server aggregates: FedAvg (train-count weights) or FedIA (eqs. 5-8),
+     chosen per cell by a traced flag so both live in one compiled program;
+  3. W <- W - eta * u (eq. 8);
+  4. the new global model is evaluated on every domain's full graph.
+"""
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_graph import aggregators
+from fedjax_graph.client import make_local_update
+from fedjax_graph.config import Config
+from fedjax_graph.data import Federation
+from fedjax_graph.graphs import CSRGraph
+from fedjax_graph.models import NodeClassifier, make_model, predict
+from fedjax_graph.types import Array, PyTree, Shard
+
+
+class Cells(NamedTuple):
+  """The aggregation settings of a batch of G' cells (traced, so one compile serves all).
+
+  Attributes:
+    rho: f32[G'] FedIA mask ratio in (0, 1] (ignored where ``fedia`` is False).
+    beta: f32[G'] FedIA momentum in [0, 1] (ignored where ``fedia`` is False).
+    fedia: bool[G'] True: FedIA aggregation; False: FedAvg.
+  """
+  rho: Array
+  beta: Array
+  fedia: Array
+
+
+class SimState(NamedTuple):
+  """State of one run between rounds (leaves gain [S, G'] axes in a sweep).
+
+  Attributes:
+    params: the global model W.
+    aggregator: FedIA's state (alpha f32[C]); unused by FedAvg cells.
+    key: the run's PRNG key; round t uses fold_in(key, t).
+  """
+  params: PyTree
+  aggregator: aggregators.FedIAState
+  key: Array
+
+
+class RoundMetrics(NamedTuple):
+  """What a round records (leaves gain [S, G', T] axes in a sweep).
+
+  Attributes:
+    test_acc: f32[D] test accuracy of the global model per domain, in [0, 1].
+    val_acc: f32[D] validation accuracy per domain.
+    train_loss: f32[] mean over clients of the last local step's loss.
+    alpha: f32[C] the aggregation weights used (train-count weights for FedAvg).
+    mask_coverage: f32[] share of coordinates FedIA kept (1 for FedAvg).
+  """
+  test_acc: Array
+  val_acc: Array
+  train_loss: Array
+  alpha: Array
+  mask_coverage: Array
+
+
+class SimData(NamedTuple):
+  """The device arrays of a ``Federation`` (passed to jit as arguments, never closed over)."""
+  client_shards: tuple[Shard, ...]
+  train_counts: Array
+  eval_x: Array
+  eval_y: Array
+  eval_domain: Array
+  eval_graph: CSRGraph
+  eval_val: Array
+  eval_test: Array
+
+
+def sim_data(federation: Federation) -> SimData:
+  """Moves a federation's arrays to the device."""
+  f = federation
+  return jax.device_put(SimData(f.client_shards, f.train_counts, f.eval_x, f.eval_y,
+                                f.eval_domain, f.eval_graph, f.eval_val, f.eval_test))
+
+
+class Simulation(NamedTuple):
+  """The compiled pieces of a sweep.
+
+  Attributes:
+    model: the backbone.
+    init: ``init(seeds i32[S], cells: Cells) -> SimState`` with leaves [S, G', ...].
+    run_chunk: jitted ``run_chunk(state, first_round, cells, data, num_rounds)``
+      -> ``(state, RoundMetrics with leaves [S, G', num_rounds, ...])``;
+      ``num_rounds`` is static.
+    trace_count: a one-element list counting how often ``run_chunk`` was traced
+      (a test guard against recompiling per chunk).
+  """
+  model: NodeClassifier
+  init: Callable
+  run_chunk: Callable
+  trace_count: list
+
+
+def client_updates(local_update, federation: Federation, propagates_in_training: bool,
+                   params: PyTree, shards: tuple[Shard, ...], keys: Array):
+  """All clients' updates, one vmap per size bucket, rows in client order.
+
+  Args:
+    local_update: from ``client.make_local_update``.
+    federation: gives the static bucket layout.
+    propagates_in_training: whether the backbone needs the client graph.
+    params: the global model W.
+    shards: per bucket a ``Shard`` with leaves [C_b, ...] (one seed).
+    keys: [C] one PRNG key per client.
+
+  Returns:
+    (client updates with leaves [C, ...], losses f32[C, local_steps]).
+  """
+  outputs = []
+  for clients, rows, shard in zip(federation.bucket_clients, federation.bucket_train_rows,
+                                  shards):
+    if propagates_in_training:
+      x, y, train, graph = shard.x, shard.y, shard.train, shard
+    else:  # Rows are ordered train first: the rest never reach the loss.
+      x, y, train, graph = shard.x[:, :rows], shard.y[:, :rows], shard.train[:, :rows], None
+    outputs.append(jax.vmap(local_update, in_axes=(None, 0, 0, 0, 0, 0))(
+        params, x, y, train, graph, keys[np.asarray(clients)]))
+  order = np.argsort(np.concatenate(federation.bucket_clients))
+  return jax.tree.map(lambda *parts: jnp.concatenate(parts)[order], *outputs)
+
+
+def domain_accuracy(pred: Array, labels: Array, mask: Array, node_domain: Array,
+                    num_domains: int) -> Array:
+  """Accuracy f32[D] over the ``mask``-ed nodes of each domain (0 for an empty domain)."""
+  correct = jax.ops.segment_sum(((pred == labels) & mask).astype(jnp.float32), node_domain,
+                                num_domains)
+  count = jax.ops.segment_sum(mask.astype(jnp.float32), node_domain, num_domains)
+  return correct / jnp.maximum(count, 1)
+
+
+def make_simulation(config: Config, federation: Federation) -> Simulation:
+  """Builds the batched round, chunk and init functions for a federation.
+
+  Args:
+    config: model and local training recipe.
+    federation: the padded federation (only its static layout is closed over;
+      its arrays are passed at call time via ``sim_data``).
+  """
+  model = make_model(config.backbone, federation.num_classes, config.hidden,
+                     config.num_layers, config.dropout)
+  local_update = make_local_update(model, config)
+  fedia = aggregators.fedia()
+  num_clients, num_domains = federation.num_clients, len(federation.domains)
+  feature_dim = federation.eval_x.shape[-1]
+  trace_count = [0]
+
+  def init_run(seed, cell_index):
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), cell_index)
+    init_key, run_key = jax.random.split(key)
+    # Parameters do not depend on the graph: initialise without propagation.
+    plain = model.clone(propagate_train=False, propagate_eval=False)
+    params = plain.init(init_key, jnp.zeros((1, feature_dim)), None, train=False)
+    return SimState(params, fedia.init(num_clients), run_key)
+
+  def init(seeds, cells):
+    cell_index = jnp.arange(cells.rho.shape[0])
+    return jax.vmap(jax.vmap(init_run, in_axes=(None, 0)), in_axes=(0, None))(
+        jnp.asarray(seeds), cell_index)
+
+  def train_and_aggregate(state, cell, shards, train_counts, t):
+    keys = jax.random.split(jax.random.fold_in(state.key, t), num_clients)
+    updates, losses = client_updates(local_update, federation, model.propagate_train,
+                                     state.params, shards, keys)
+    fedavg_update = aggregators.fedavg(updates, train_counts)
+    fedia_update, fedia_state, diag = fedia.update(updates, state.aggregator, cell.rho,
+                                                   cell.beta, base_weights=train_counts)
+    pick = lambda a, b: jnp.where(cell.fedia, a, b)
+    update = jax.tree.map(pick, fedia_update, fedavg_update)
+    params = jax.tree.map(lambda w, u: w - config.lr * u, state.params, update)
+    aggregator = jax.tree.map(pick, fedia_state, state.aggregator)
+    metrics = (jnp.mean(losses[:, -1]),
+               pick(diag.alpha, train_counts / jnp.sum(train_counts)),
+               pick(diag.mask_coverage, 1.0))
+    return SimState(params, aggregator, state.key), metrics
+
+  def evaluate(params, val_mask, test_mask, data):
+    pred = predict(model, params, data.eval_x, data.eval_graph)
+    acc = lambda mask: domain_accuracy(pred, data.eval_y, mask, data.eval_domain, num_domains)
+    return acc(test_mask), acc(val_mask)
+
+  def run_round(state, t, cells, data):
+    per_cell = jax.vmap(train_and_aggregate, in_axes=(0, 0, None, None, None))
+    state, (loss, alpha, coverage) = jax.vmap(per_cell, in_axes=(0, None, 0, None, None))(
+        state, cells, data.client_shards, data.train_counts, t)
+    per_cell_eval = jax.vmap(evaluate, in_axes=(0, None, None, None))
+    test_acc, val_acc = jax.vmap(per_cell_eval, in_axes=(0, 0, 0, None))(
+        state.params, data.eval_val, data.eval_test, data)
+    return state, RoundMetrics(test_acc, val_acc, loss, alpha, coverage)
+
+  def run_chunk(state, first_round, cells, data, num_rounds):
+    trace_count[0] += 1
+    step = lambda s, t: run_round(s, t, cells, data)
+    state, metrics = jax.lax.scan(step, state, first_round + jnp.arange(num_rounds))
+    # scan stacks rounds first: [L, S, G', ...] -> [S, G', L, ...].
+    return state, jax.tree.map(lambda m: jnp.moveaxis(m, 0, 2), metrics)
+
+  return Simulation(model=model, init=jax.jit(init),
+                    run_chunk=jax.jit(run_chunk, static_argnames="num_rounds"),
+                    trace_count=trace_count)

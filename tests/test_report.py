@@ -1,0 +1,354 @@
+"""Tests for fedjax_graph.report, with answers computed by hand."""
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from matplotlib import image as mpimg
+
+from fedjax_graph import report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+DOMAINS = ["cora", "dblp"]
+NAN = float("nan")
+
+
+def _fedavg_one_seed():
+  """[S=1, T=4, D=2]. Last 2 rounds: cora .5,.7  dblp .6,.8."""
+  return np.array([[[0.1, 0.3], [0.2, 0.3], [0.5, 0.6], [0.7, 0.8]]])
+
+
+def _fedia_two_cells():
+  """[G=2, S=1, T=4, D=2]. Cell 0 beats FedAvg by 5 points, cell 1 loses."""
+  cell0 = [[0.0, 0.0], [0.0, 0.0], [0.6, 0.7], [0.8, 0.7]]
+  cell1 = [[0.9, 0.9], [0.9, 0.9], [0.4, 0.5], [0.4, 0.5]]
+  return np.array([[cell0], [cell1]])
+
+
+@pytest.fixture
+def rows_one_seed():
+  return report.summarize(_fedavg_one_seed(), _fedia_two_cells(),
+                          rho=[0.5, 0.5], beta=[1.0, 2.0], domains=DOMAINS,
+                          last=2)
+
+
+def _grid(rhos, betas, delta_fn, seeds=1, rounds=4):
+  """Row-major ρ×β grid with FedIA = FedAvg + delta_fn(ρ, β) (fractions)."""
+  rho = np.repeat(rhos, len(betas))
+  beta = np.tile(betas, len(rhos))
+  fedavg = np.full((seeds, rounds, 2), 0.6)
+  fedavg[:, :, 1] = 0.5
+  fedavg += np.linspace(0, 0.1, rounds)[None, :, None]
+  fedia = np.stack([fedavg + delta_fn(r, b) for r, b in zip(rho, beta)])
+  return fedavg, fedia, rho, beta
+
+
+def _assert_png(path):
+  with open(path, "rb") as f:
+    assert f.read(8) == PNG_SIGNATURE
+  img = mpimg.imread(path)
+  assert img.ndim == 3 and img.shape[0] > 50 and img.shape[1] > 50
+
+
+def _assert_no_temp_files(directory, expected):
+  assert sorted(os.listdir(directory)) == sorted(expected)
+
+
+# ----------------------------------------------------------------- summarize
+
+
+def test_columns_in_exact_order(rows_one_seed):
+  expected = ["method", "rho", "beta", "cora_mean", "cora_std", "dblp_mean",
+              "dblp_std", "avg_mean", "avg_std", "std_over", "delta_avg"]
+  assert report.summary_columns(DOMAINS) == expected
+  for row in rows_one_seed:
+    assert list(row) == expected
+
+
+def test_single_seed_means_std_over_rounds_and_delta(rows_one_seed):
+  fedavg, cell0, cell1 = rows_one_seed
+  assert (fedavg["method"], fedavg["rho"], fedavg["beta"]) == ("fedavg", "",
+                                                               "")
+  # cora .5,.7 -> 60 ± 10; dblp .6,.8 -> 70 ± 10; AVG per round .55,.75.
+  assert fedavg["cora_mean"] == pytest.approx(60.0)
+  assert fedavg["cora_std"] == pytest.approx(10.0)
+  assert fedavg["dblp_mean"] == pytest.approx(70.0)
+  assert fedavg["dblp_std"] == pytest.approx(10.0)
+  assert fedavg["avg_mean"] == pytest.approx(65.0)
+  assert fedavg["avg_std"] == pytest.approx(10.0)
+  assert fedavg["std_over"] == "rounds"
+  assert fedavg["delta_avg"] == 0.0
+
+  # cora .6,.8 -> 70 ± 10; dblp .7,.7 -> 70 ± 0; AVG .65,.75 -> 70 ± 5.
+  assert (cell0["method"], cell0["rho"], cell0["beta"]) == ("fedavg+fedia",
+                                                            0.5, 1.0)
+  assert cell0["cora_mean"] == pytest.approx(70.0)
+  assert cell0["cora_std"] == pytest.approx(10.0)
+  assert cell0["dblp_mean"] == pytest.approx(70.0)
+  assert cell0["dblp_std"] == pytest.approx(0.0)
+  assert cell0["avg_mean"] == pytest.approx(70.0)
+  assert cell0["avg_std"] == pytest.approx(5.0)
+  assert cell0["delta_avg"] == pytest.approx(5.0)
+
+  # Early rounds (0.9) must be ignored: cora 40, dblp 50, AVG 45.
+  assert cell1["avg_mean"] == pytest.approx(45.0)
+  assert cell1["avg_std"] == pytest.approx(0.0)
+  assert cell1["delta_avg"] == pytest.approx(-20.0)
+
+
+def test_two_seeds_std_over_seeds_ddof0():
+  fedavg = np.array([
+      [[0.1, 0.3], [0.2, 0.3], [0.5, 0.6], [0.7, 0.8]],  # means .6, .7
+      [[0.0, 0.0], [0.0, 0.0], [0.8, 0.6], [0.8, 0.6]],  # means .8, .6
+  ])
+  rows = report.summarize(fedavg, fedavg[None] + 0.01, rho=[1.0], beta=[0.1],
+                          domains=DOMAINS, last=2)
+  base = rows[0]
+  assert base["std_over"] == "seeds"
+  assert base["cora_mean"] == pytest.approx(70.0)
+  assert base["cora_std"] == pytest.approx(10.0)  # ddof=1 would be 14.14.
+  assert base["dblp_mean"] == pytest.approx(65.0)
+  assert base["dblp_std"] == pytest.approx(5.0)
+  # Per-seed AVG: .65 and .70.
+  assert base["avg_mean"] == pytest.approx(67.5)
+  assert base["avg_std"] == pytest.approx(2.5)
+  assert rows[1]["std_over"] == "seeds"
+  assert rows[1]["delta_avg"] == pytest.approx(1.0)
+
+
+def test_last_equal_to_t_uses_all_rounds():
+  fedavg = _fedavg_one_seed()
+  rows = report.summarize(fedavg, fedavg[None], [1.0], [1.0], DOMAINS, last=4)
+  assert rows[0]["cora_mean"] == pytest.approx(37.5)
+  assert rows[1]["delta_avg"] == pytest.approx(0.0)
+
+
+def test_nan_propagates_to_the_cell():
+  fedia = _fedia_two_cells()
+  fedia[1, 0, 3, 0] = np.nan
+  rows = report.summarize(_fedavg_one_seed(), fedia, [0.5, 0.5], [1.0, 2.0],
+                          DOMAINS, last=2)
+  assert math.isnan(rows[2]["cora_mean"])
+  assert math.isnan(rows[2]["avg_mean"])
+  assert math.isnan(rows[2]["delta_avg"])
+  assert rows[2]["dblp_mean"] == pytest.approx(50.0)
+  assert rows[1]["delta_avg"] == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("last", [0, 5, -1])
+def test_last_out_of_range_names_value(last):
+  with pytest.raises(ValueError, match=f"last={last}"):
+    report.summarize(_fedavg_one_seed(), _fedia_two_cells(), [0.5, 0.5],
+                     [1.0, 2.0], DOMAINS, last=last)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(fedia_acc=np.zeros((2, 1, 3, 2))), "does not match"),
+    (dict(fedavg_acc=np.zeros((4, 2))), r"\[S, T, D\]"),
+    (dict(rho=[0.5]), "rho shape"),
+    (dict(domains=["cora"]), "domain names"),
+    (dict(domains=["cora", "cora"]), "unique"),
+    (dict(domains=["cora", "avg"]), "unique"),
+])
+def test_shape_and_domain_mismatch_raise(kwargs, match):
+  args = dict(fedavg_acc=_fedavg_one_seed(), fedia_acc=_fedia_two_cells(),
+              rho=[0.5, 0.5], beta=[1.0, 2.0], domains=DOMAINS, last=2)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    report.summarize(**args)
+
+
+# ----------------------------------------------------------------- selection
+
+
+def test_best_cell_skips_fedavg_and_nan(rows_one_seed):
+  assert report.best_cell(rows_one_seed) is rows_one_seed[1]
+  rows = [dict(r) for r in rows_one_seed]
+  rows[1]["avg_mean"] = NAN
+  assert report.best_cell(rows) is rows[2]
+  rows[2]["avg_mean"] = NAN
+  with pytest.raises(ValueError, match="no grid cell"):
+    report.best_cell(rows)
+
+
+def test_best_cell_other_key(rows_one_seed):
+  assert report.best_cell(rows_one_seed, key="avg_std") is rows_one_seed[1]
+  assert report.best_cell(rows_one_seed, key="dblp_std") is rows_one_seed[1]
+
+
+def test_format_table(rows_one_seed):
+  text = report.format_table(rows_one_seed)
+  lines = text.splitlines()
+  assert lines[0].split() == ["method", "ρ", "β", "cora", "dblp", "AVG",
+                              "ΔAVG"]
+  assert lines[2].split() == ["fedavg", "60.00", "70.00", "65.00±10.00",
+                              "+0.00"]
+  assert lines[3].split() == ["fedavg+fedia", "0.5", "1", "70.00", "70.00",
+                              "70.00±5.00", "+5.00"]
+  assert lines[4].split()[-1] == "-20.00"
+  # Right-aligned numeric columns end at the same offset as the header.
+  assert len(lines[2]) == len(lines[3]) == len(lines[0])
+  assert "rounds" in lines[-1]
+
+
+def test_format_table_nan_cell(rows_one_seed):
+  rows = [dict(r) for r in rows_one_seed]
+  for k in ("cora_mean", "avg_mean", "avg_std", "delta_avg"):
+    rows[2][k] = NAN
+  line = report.format_table(rows).splitlines()[4]
+  assert line.split()[3:] == ["nan", "50.00", "nan±nan", "nan"]
+
+
+def test_format_table_max_rows_keeps_fedavg_and_best(rows_one_seed):
+  rows = list(reversed(rows_one_seed))
+  lines = report.format_table(rows, max_rows=1).splitlines()
+  assert lines[2].startswith("fedavg ")
+  assert lines[3].split()[-1] == "+5.00"
+  assert lines[4] == "... 1 more cell(s) not shown"
+
+
+# ----------------------------------------------------------------- files
+
+
+def test_csv_round_trip(tmp_path, rows_one_seed):
+  rows = [dict(r) for r in rows_one_seed]
+  rows[2]["avg_mean"] = NAN
+  rows[2]["rho"] = 1e-5
+  path = tmp_path / "summary.csv"
+  report.write_summary_csv(rows, path)
+  _assert_no_temp_files(tmp_path, ["summary.csv"])
+  with open(path, newline="") as f:
+    reader = csv.DictReader(f)
+    assert reader.fieldnames == report.summary_columns(DOMAINS)
+    back = list(reader)
+  assert len(back) == 3
+  assert back[0]["method"] == "fedavg"
+  assert back[0]["rho"] == back[0]["beta"] == ""
+  assert back[0]["cora_mean"] == "60.0000"
+  assert back[0]["delta_avg"] == "0.0000"
+  assert back[0]["std_over"] == "rounds"
+  assert back[1]["avg_std"] == "5.0000"
+  assert back[1]["delta_avg"] == "5.0000"
+  assert back[2]["avg_mean"] == "nan"
+  # ρ/β must survive exactly, not as 0.0000.
+  assert float(back[2]["rho"]) == 1e-5
+  assert float(back[2]["beta"]) == 2.0
+
+
+def test_csv_overwrites_atomically(tmp_path, rows_one_seed):
+  path = tmp_path / "s.csv"
+  path.write_text("old")
+  report.write_summary_csv(rows_one_seed, path)
+  assert path.read_text().startswith("method,rho,beta,")
+  _assert_no_temp_files(tmp_path, ["s.csv"])
+
+
+def test_write_history_round_trip(tmp_path):
+  path = tmp_path / "hist.npz"
+  a = np.arange(24, dtype=np.float32).reshape(1, 2, 3, 4)
+  report.write_history(path, fedia_test=a, seeds=np.array([0, 1]))
+  _assert_no_temp_files(tmp_path, ["hist.npz"])
+  with np.load(path) as z:
+    np.testing.assert_array_equal(z["fedia_test"], a)
+    np.testing.assert_array_equal(z["seeds"], [0, 1])
+
+
+def test_write_json_sorted_indented(tmp_path):
+  path = tmp_path / "cfg.json"
+  report.write_json(path, {"b": np.float32(1.5), "a": np.arange(2)})
+  assert path.read_text() == '{\n  "a": [\n    0,\n    1\n  ],\n  "b": 1.5\n}\n'
+  _assert_no_temp_files(tmp_path, ["cfg.json"])
+
+
+def test_failed_write_leaves_old_file_and_no_temp(tmp_path):
+  path = tmp_path / "h.npz"
+  path.write_bytes(b"old")
+  with pytest.raises(Exception):
+    # Pickling the object fails mid-write, after the temp file exists.
+    report.write_history(path, bad=_Unpicklable())
+  assert path.read_bytes() == b"old"
+  _assert_no_temp_files(tmp_path, ["h.npz"])
+  with pytest.raises(TypeError):
+    report.write_json(tmp_path / "x.json", {"a": object()})
+  _assert_no_temp_files(tmp_path, ["h.npz"])
+
+
+class _Unpicklable:
+
+  def __reduce__(self):
+    raise RuntimeError("cannot pickle")
+
+
+# ----------------------------------------------------------------- plots
+
+
+def _heatmap_and_curves(tmp_path, rhos, betas, delta_fn, seeds=1, nan_cell=None,
+                        title="Test-Set (setting)"):
+  fedavg, fedia, rho, beta = _grid(rhos, betas, delta_fn, seeds=seeds)
+  if nan_cell is not None:
+    fedia[nan_cell, :, 2:, :] = np.nan
+  rows = report.summarize(fedavg, fedia, rho, beta, DOMAINS, last=2)
+  heat, curves = tmp_path / "heat.png", tmp_path / "curves.png"
+  report.plot_heatmap(rows, heat, title=title)
+  report.plot_curves(fedavg, fedia, rows, curves, title, last=2)
+  _assert_png(heat)
+  _assert_png(curves)
+  _assert_no_temp_files(tmp_path, ["heat.png", "curves.png"])
+  return rows
+
+
+def test_plots_2x2_grid(tmp_path):
+  rows = _heatmap_and_curves(tmp_path, [0.1, 0.5], [0.5, 2.0],
+                             lambda r, b: 0.02 * r - 0.01 * b, seeds=3)
+  assert report.best_cell(rows)["rho"] == 0.5
+  assert report.best_cell(rows)["beta"] == 0.5
+
+
+def test_plots_single_cell(tmp_path):
+  _heatmap_and_curves(tmp_path, [0.3], [1.0], lambda r, b: 0.0)
+
+
+def test_plots_with_nan_cell(tmp_path):
+  rows = _heatmap_and_curves(tmp_path, [0.1, 0.5], [0.5, 2.0],
+                             lambda r, b: 0.01 * b, nan_cell=1)
+  assert math.isnan(rows[2]["delta_avg"])
+
+
+def test_heatmap_partial_grid_and_all_nan(tmp_path):
+  fedavg, fedia, rho, beta = _grid([0.1, 0.5], [0.5, 2.0], lambda r, b: 0.01)
+  keep = [0, 1, 3]  # (0.5, 0.5) missing.
+  rows = report.summarize(fedavg, fedia[keep], rho[keep], beta[keep], DOMAINS,
+                          last=2)
+  report.plot_heatmap(rows, tmp_path / "partial.png")
+  _assert_png(tmp_path / "partial.png")
+  fedia[:] = np.nan
+  rows = report.summarize(fedavg, fedia, rho, beta, DOMAINS, last=2)
+  report.plot_heatmap(rows, tmp_path / "nan.png", title="all diverged")
+  _assert_png(tmp_path / "nan.png")
+  _assert_no_temp_files(tmp_path, ["partial.png", "nan.png"])
+
+
+def test_curves_rejects_mismatched_rows(tmp_path, rows_one_seed):
+  with pytest.raises(ValueError, match="G=1"):
+    report.plot_curves(_fedavg_one_seed(), _fedia_two_cells()[:1],
+                       rows_one_seed, tmp_path / "c.png", "t")
+  with pytest.raises(ValueError, match="last=9"):
+    report.plot_curves(_fedavg_one_seed(), _fedia_two_cells(), rows_one_seed,
+                       tmp_path / "c.png", "t", last=9)
+  assert os.listdir(tmp_path) == []
+
+
+def test_module_does_not_import_jax():
+  # Load the file directly in a fresh interpreter: the package __init__ and
+  # other tests may legitimately import jax, which would mask the check.
+  path = os.path.abspath(report.__file__)
+  code = ("import importlib.util, sys; "
+          f"spec = importlib.util.spec_from_file_location('r', {path!r}); "
+          "spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
+          "assert 'jax' not in sys.modules, 'report imported jax'")
+  subprocess.run([sys.executable, "-c", code], check=True)
