@@ -89,7 +89,9 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
   fedia_test = np.moveaxis(history.test_acc[:, :num_fedia], 0, 1)  # [G, S, T, D]
   fedia_val = np.moveaxis(history.val_acc[:, :num_fedia], 0, 1)
   fedavg_test, fedavg_val = history.test_acc[:, -1], history.val_acc[:, -1]  # [S, T, D]
-  rho, beta = cells.rho[:num_fedia], cells.beta[:num_fedia]
+  # The user's values, not their float32 copies (0.3, not 0.30000001).
+  rho = np.repeat(np.asarray(rhos, float), len(betas))
+  beta = np.tile(np.asarray(betas, float), len(rhos))
   domains = list(federation.domains)
 
   report.write_json(out_dir / "config.json", {

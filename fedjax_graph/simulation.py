@@ -94,10 +94,16 @@ def sim_data(federation: Federation) -> SimData:
 
 
 class Simulation(NamedTuple):
-  """The compiled pieces of a sweep.
+  """The pieces of a sweep; ``init`` and ``run_chunk`` are the compiled program.
 
   Attributes:
     model: the backbone.
+    local_update: one client's local training (``client.make_local_update``).
+    aggregate: ``aggregate(state, cell, updates, losses, train_counts)`` ->
+      ``(state, (loss, alpha, mask_coverage))``: the server part of a round for
+      one run (aggregation and W <- W - eta u), not jitted.
+    evaluate: ``evaluate(params, val_mask, test_mask, data)`` -> (test f32[D],
+      val f32[D]) for one run, not jitted.
     init: ``init(seeds i32[S], cells: Cells) -> SimState`` with leaves [S, G', ...].
     run_chunk: jitted ``run_chunk(state, first_round, cells, data, num_rounds)``
       -> ``(state, RoundMetrics with leaves [S, G', num_rounds, ...])``;
@@ -106,6 +112,9 @@ class Simulation(NamedTuple):
       (a test guard against recompiling per chunk).
   """
   model: NodeClassifier
+  local_update: Callable
+  aggregate: Callable
+  evaluate: Callable
   init: Callable
   run_chunk: Callable
   trace_count: list
@@ -137,6 +146,30 @@ def client_updates(local_update, federation: Federation, propagates_in_training:
         params, x, y, train, graph, keys[np.asarray(clients)]))
   order = np.argsort(np.concatenate(federation.bucket_clients))
   return jax.tree.map(lambda *parts: jnp.concatenate(parts)[order], *outputs)
+
+
+def client_updates_loop(local_update, federation: Federation, propagates_in_training: bool,
+                        params: PyTree, shards: tuple[Shard, ...], keys: Array):
+  """``client_updates`` with a Python loop over clients: the reference for tests and bench.
+
+  ``local_update`` should be jitted by the caller (one compile per bucket shape).
+  """
+  per_client = [None] * federation.num_clients
+  for clients, rows, shard in zip(federation.bucket_clients, federation.bucket_train_rows,
+                                  shards):
+    for j, k in enumerate(clients):
+      one = jax.tree.map(lambda leaf: leaf[j], shard)
+      if propagates_in_training:
+        per_client[k] = local_update(params, one.x, one.y, one.train, one, keys[k])
+      else:
+        per_client[k] = local_update(params, one.x[:rows], one.y[:rows], one.train[:rows], None,
+                                     keys[k])
+  return jax.tree.map(lambda *rows_: jnp.stack(rows_), *per_client)
+
+
+def client_keys(run_key: Array, round_index, num_clients: int) -> Array:
+  """[C] dropout keys of round t: fold_in(run key, t), split per client, never reused."""
+  return jax.random.split(jax.random.fold_in(run_key, round_index), num_clients)
 
 
 def domain_accuracy(pred: Array, labels: Array, mask: Array, node_domain: Array,
@@ -177,10 +210,7 @@ def make_simulation(config: Config, federation: Federation) -> Simulation:
     return jax.vmap(jax.vmap(init_run, in_axes=(None, 0)), in_axes=(0, None))(
         jnp.asarray(seeds), cell_index)
 
-  def train_and_aggregate(state, cell, shards, train_counts, t):
-    keys = jax.random.split(jax.random.fold_in(state.key, t), num_clients)
-    updates, losses = client_updates(local_update, federation, model.propagate_train,
-                                     state.params, shards, keys)
+  def aggregate(state, cell, updates, losses, train_counts):
     fedavg_update = aggregators.fedavg(updates, train_counts)
     fedia_update, fedia_state, diag = fedia.update(updates, state.aggregator, cell.rho,
                                                    cell.beta, base_weights=train_counts)
@@ -192,6 +222,11 @@ def make_simulation(config: Config, federation: Federation) -> Simulation:
                pick(diag.alpha, train_counts / jnp.sum(train_counts)),
                pick(diag.mask_coverage, 1.0))
     return SimState(params, aggregator, state.key), metrics
+
+  def train_and_aggregate(state, cell, shards, train_counts, t):
+    updates, losses = client_updates(local_update, federation, model.propagate_train,
+                                     state.params, shards, client_keys(state.key, t, num_clients))
+    return aggregate(state, cell, updates, losses, train_counts)
 
   def evaluate(params, val_mask, test_mask, data):
     pred = predict(model, params, data.eval_x, data.eval_graph)
@@ -214,6 +249,7 @@ def make_simulation(config: Config, federation: Federation) -> Simulation:
     # scan stacks rounds first: [L, S, G', ...] -> [S, G', L, ...].
     return state, jax.tree.map(lambda m: jnp.moveaxis(m, 0, 2), metrics)
 
-  return Simulation(model=model, init=jax.jit(init),
+  return Simulation(model=model, local_update=local_update, aggregate=aggregate,
+                    evaluate=evaluate, init=jax.jit(init),
                     run_chunk=jax.jit(run_chunk, static_argnames="num_rounds"),
                     trace_count=trace_count)

@@ -290,6 +290,11 @@ def test_download_unpack_and_prepare(server, tmp_path, monkeypatch, dataset):
     before = _mtimes(out)
     data_prep.prepare(dataset, cache_dir=cache_dir, base_url=base)
     assert len(hits) == n_hits + 1 and _mtimes(out) == before
+    # Without the prepared entry it is rebuilt from <cache>/raw, again without a download.
+    for path in out.iterdir():
+        path.unlink()
+    data_prep.prepare(dataset, cache_dir=cache_dir, base_url=base)
+    assert len(hits) == n_hits + 1 and sorted(_mtimes(out)) == sorted(before)
 
 
 def test_download_archive_checksum_mismatch(server, tmp_path):
@@ -363,6 +368,27 @@ def test_recipe_change_or_raw_edit_rebuilds(tmp_path, monkeypatch):
     # force rebuilds a current entry.
     third = _mtimes(out)
     assert _mtimes(data_prep.prepare("wikinet", verify=False, force=True)) != third
+
+
+def test_interrupted_rebuild_is_not_taken_as_current(tmp_path, monkeypatch):
+    _fake_raw(tmp_path / "raw", "wikinet")
+    kwargs = dict(raw_dir=tmp_path / "raw", cache_dir=tmp_path / "c", verify=False)
+    out = data_prep.prepare("wikinet", **kwargs)
+    calls = []
+
+    def failing_savez(f, **arrays):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("simulated crash")
+        np.savez(f, **arrays)
+
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(np, "savez", failing_savez)
+        data_prep.prepare("wikinet", force=True, **kwargs)
+    assert not (out / "meta.json").exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # temp file removed
+    data_prep.prepare("wikinet", **kwargs)
+    assert (out / "meta.json").exists()
 
 
 def test_verify_rejects_custom_data(tmp_path):
