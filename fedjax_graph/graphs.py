@@ -75,10 +75,12 @@ def csr_graph(edge_index: np.ndarray, num_nodes: int, num_rows: int) -> CSRGraph
                   indptr=matrix.indptr.astype(np.int32))
 
 
-@jax.custom_batching.custom_vmap
-def _csr_matmul(h: Array, data: Array, indices: Array, indptr: Array) -> Array:
+def _sparse_product(h: Array, data: Array, indices: Array, indptr: Array) -> Array:
   matrix = jsparse.BCSR((data, indices, indptr), shape=(indptr.shape[0] - 1, h.shape[0]))
   return matrix @ h
+
+
+_csr_matmul = jax.custom_batching.custom_vmap(_sparse_product)
 
 
 @_csr_matmul.def_vmap
@@ -88,7 +90,8 @@ def _csr_matmul_vmap(axis_size, in_batched, h, data, indices, indptr):
   # (a vmapped sparse product would otherwise run model by model).
   h_batched, *graph_batched = in_batched
   if any(graph_batched):
-    out = jax.vmap(_csr_matmul, in_axes=(0 if h_batched else None,) + tuple(
+    # A batch of graphs: no sharing to exploit, vmap the plain product.
+    out = jax.vmap(_sparse_product, in_axes=(0 if h_batched else None,) + tuple(
         0 if b else None for b in graph_batched))(h, data, indices, indptr)
     return out, True
   if not h_batched:

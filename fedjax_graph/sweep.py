@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from fedjax_graph.config import Config
 from fedjax_graph.data import Federation
-from fedjax_graph.simulation import Cells, make_simulation, sim_data
+from fedjax_graph.simulation import Cells, Simulation, make_simulation, sim_data
 
 
 class History(NamedTuple):
@@ -59,8 +59,8 @@ def grid_cells(rhos: Sequence[float], betas: Sequence[float], with_fedavg: bool 
 
 
 def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
-              chunk: int = 10, progress: bool = True,
-              description: Optional[str] = None) -> History:
+              chunk: int = 10, progress: bool = True, description: Optional[str] = None,
+              simulation: Optional[Simulation] = None) -> History:
   """Runs every (seed, cell) of the batch for ``rounds`` rounds.
 
   Args:
@@ -71,6 +71,8 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     chunk: rounds per compiled call (a remainder chunk compiles once more).
     progress: show a progress bar over rounds.
     description: label of the progress bar.
+    simulation: a ``make_simulation(config, federation)`` to reuse (and not
+      compile again); built here if None.
 
   Raises:
     ValueError: if ``rounds`` or ``chunk`` < 1.
@@ -79,7 +81,7 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     raise ValueError(f"rounds = {rounds}; must be >= 1")
   if chunk < 1:
     raise ValueError(f"chunk = {chunk}; must be >= 1")
-  sim = make_simulation(config, federation)
+  sim = simulation or make_simulation(config, federation)
   data = sim_data(federation)
   cells = jax.device_put(cells)
   state = sim.init(np.asarray(federation.seeds, np.int32), cells)

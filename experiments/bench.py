@@ -1,0 +1,152 @@
+"""Throughput of the vectorised sweep vs a Python loop over clients and runs.
+
+  python experiments/bench.py --raw-dir ../shared/datasets/musae --cache-dir /tmp/fjg_cache
+  python experiments/bench.py --dataset wikinet --setting default --rounds 2 --skip-loop
+
+Times the first ``run_chunk`` call (compile + run) and a second of the same
+shape (run only), then the same rounds with every client, cell and seed in a
+Python loop (same keys, so the final accuracies must agree), and prints the
+speed-up. Every number is measured in this run.
+"""
+
+import argparse
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fedjax_graph import cli  # noqa: E402
+from fedjax_graph.config import load_preset  # noqa: E402
+from fedjax_graph.data import build_federation, load_dataset  # noqa: E402
+from fedjax_graph.simulation import (client_keys, client_updates_loop, make_simulation,  # noqa: E402
+                                     sim_data)
+from fedjax_graph.sweep import grid_cells  # noqa: E402
+
+
+def timed(fn, *args, **kwargs):
+  """(fn(...) with every leaf ready, seconds)."""
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn(*args, **kwargs))
+  return out, time.perf_counter() - start
+
+
+def rates(label, seconds, rounds, runs, clients, local_steps):
+  """Prints and returns (round-cells/s, client-steps/s) of ``rounds`` rounds of ``runs`` runs."""
+  round_cells = rounds * runs
+  rc_per_s, steps_per_s = round_cells / seconds, round_cells * clients * local_steps / seconds
+  print(f"  {label}: {seconds:.3f} s for {rounds} rounds x {runs} runs -> "
+        f"{rounds / seconds:.3f} rounds/s (whole batch), {rc_per_s:.2f} round-cells/s "
+        f"({seconds / round_cells * 1e3:.1f} ms per round-cell), {steps_per_s:.0f} client-steps/s")
+  return rc_per_s, steps_per_s
+
+
+def seed_data(data, s):
+  """The SimData of seed ``s``: shards [C_b, ...], eval masks [N]."""
+  return data._replace(client_shards=jax.tree.map(lambda leaf: leaf[s], data.client_shards),
+                       eval_val=data.eval_val[s], eval_test=data.eval_test[s])
+
+
+def looped_runs(sim, federation, state0, cells, data, rounds, warmup):
+  """Final test accuracy f32[S, G', D] of every run, clients and runs in Python loops.
+
+  With ``warmup``, runs one round of run (0, 0) only (to compile) and returns None.
+  """
+  local_update, aggregate, evaluate = (jax.jit(sim.local_update), jax.jit(sim.aggregate),
+                                       jax.jit(sim.evaluate))
+  num_seeds, num_cells = len(federation.seeds), len(cells.rho)
+  final = np.zeros((num_seeds, num_cells, len(federation.domains)), np.float32)
+  for s in range(1 if warmup else num_seeds):
+    data_s = seed_data(data, s)
+    for g in range(1 if warmup else num_cells):
+      state = jax.tree.map(lambda leaf: leaf[s, g], state0)
+      cell = jax.tree.map(lambda leaf: leaf[g], cells)
+      for t in range(1 if warmup else rounds):
+        updates, losses = client_updates_loop(
+            local_update, federation, sim.model.propagate_train, state.params,
+            data_s.client_shards, client_keys(state.key, t, federation.num_clients))
+        state, _ = aggregate(state, cell, updates, losses, data_s.train_counts)
+        test_acc, _ = evaluate(state.params, data_s.eval_val, data_s.eval_test, data_s)
+      final[s, g] = np.asarray(test_acc)
+  return None if warmup else final
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--dataset", default="twitch", choices=["twitch", "wikinet"])
+  parser.add_argument("--setting", default="s3", help="preset in configs/ (default: %(default)s)")
+  parser.add_argument("--rounds", type=int, default=4, help="rounds per timed call (default: 4)")
+  parser.add_argument("--rho", type=cli.float_list, default="0.1,0.5")
+  parser.add_argument("--beta", type=cli.float_list, default="0.3,0.9")
+  parser.add_argument("--seeds", type=cli.int_list, default="0")
+  parser.add_argument("--raw-dir", type=pathlib.Path, default=None)
+  parser.add_argument("--cache-dir", type=pathlib.Path, default=None)
+  parser.add_argument("--skip-loop", action="store_true", help="skip the Python-loop reference")
+  args = parser.parse_args(argv)
+  if args.rounds < 1:
+    parser.error(f"--rounds {args.rounds}: must be >= 1")
+  try:
+    config = load_preset(args.dataset, args.setting)
+    cells = grid_cells(args.rho, args.beta)
+  except ValueError as err:
+    parser.error(str(err))
+  domain_graphs, _ = load_dataset(config.dataset, args.raw_dir, args.cache_dir)
+  federation = build_federation(config, domain_graphs, args.seeds)
+  C, G, S, R, steps = (federation.num_clients, len(cells.rho), len(args.seeds), args.rounds,
+                       config.local_steps)
+  print(f"== setup: {config.dataset} {config.setting}, {config.backbone}, jax {jax.__version__} "
+        f"on {jax.devices()[0].platform} ({len(jax.devices())} device(s))")
+  print(f"  clients C={C}, local steps={steps}, buckets={len(federation.bucket_clients)}")
+  for b, (clients, shard) in enumerate(zip(federation.bucket_clients, federation.client_shards)):
+    print(f"    bucket {b}: {len(clients)} clients, {shard.x.shape[-2]} padded node rows, "
+          f"{federation.bucket_train_rows[b]} train rows, {shard.senders.shape[-1]} edge slots")
+  print(f"  eval graph: {federation.eval_x.shape[0]} rows; cells G'={G} "
+        f"({len(args.rho)} rho x {len(args.beta)} beta + FedAvg); seeds S={S} {args.seeds}")
+
+  print("== vectorised (vmap over seeds x cells x clients, scan over rounds)")
+  sim = make_simulation(config, federation)
+  data = sim_data(federation)
+  cells = jax.device_put(cells)
+  state0 = jax.block_until_ready(sim.init(np.asarray(federation.seeds, np.int32), cells))
+  (state, first_metrics), first_s = timed(sim.run_chunk, state0, np.int32(0), cells, data,
+                                          num_rounds=R)
+  _, second_s = timed(sim.run_chunk, state, np.int32(R), cells, data, num_rounds=R)
+  assert sim.trace_count[0] == 1, f"run_chunk traced {sim.trace_count[0]} times"
+  print(f"  first call (compile + run): {first_s:.3f} s; second call (run): {second_s:.3f} s; "
+        f"compile ~ {first_s - second_s:.3f} s; trace_count = {sim.trace_count[0]}")
+  vec_rc, vec_steps = rates("second call", second_s, R, G * S, C, steps)
+  vec_final = np.asarray(first_metrics.test_acc[:, :, -1])  # [S, G', D]
+
+  loop = None
+  if not args.skip_loop:
+    print("== Python loop (jitted local_update per client, aggregate and evaluate per run)")
+    _, warm_s = timed(looped_runs, sim, federation, state0, cells, data, 1, warmup=True)
+    print(f"  warm-up round of run (0, 0) (compile + run): {warm_s:.3f} s")
+    loop_final, loop_s = timed(looped_runs, sim, federation, state0, cells, data, R, warmup=False)
+    loop_rc, loop_steps = rates("timed rounds", loop_s, R, G * S, C, steps)
+    max_diff = float(np.max(np.abs(loop_final - vec_final)))
+    match = max_diff <= 1e-4
+    print(f"  final test accuracies of all {G * S} runs after {R} rounds: max |loop - vectorised| "
+          f"= {max_diff:.2e}; results match: {match}")
+    loop = (warm_s, loop_s, loop_rc, loop_steps, match, max_diff)
+
+  print(f"== summary ({config.dataset} {config.setting}: C={C}, G'={G}, S={S}, {R} rounds/call, "
+        f"{steps} local steps)")
+  print(f"  vectorised: compile ~{first_s - second_s:.2f} s, {second_s:.3f} s per {R} rounds, "
+        f"{vec_rc:.2f} round-cells/s ({second_s / (R * G * S) * 1e3:.1f} ms each), "
+        f"{vec_steps:.0f} client-steps/s, trace_count {sim.trace_count[0]}")
+  if loop:
+    warm_s, loop_s, loop_rc, loop_steps, match, max_diff = loop
+    print(f"  python loop: warm-up {warm_s:.2f} s, {loop_s:.3f} s per {R} rounds, "
+          f"{loop_rc:.2f} round-cells/s ({loop_s / (R * G * S) * 1e3:.1f} ms each), "
+          f"{loop_steps:.0f} client-steps/s")
+    print(f"  speed-up (round-cells/s): {vec_rc / loop_rc:.1f}x; results match: {match} "
+          f"(max diff {max_diff:.1e})")
+
+
+if __name__ == "__main__":
+  main()
