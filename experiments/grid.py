@@ -4,7 +4,10 @@
   python experiments/grid.py --dataset twitch --setting s3 --seeds 0,1,2
 
 Writes config.json, history.npz, summary.csv, heatmap.png and curves.png into
---out (default results/<dataset>-<setting>-<timestamp>/).
+--out (default results/<dataset>-<setting>-<timestamp>/). The simulation state
+is checkpointed every chunk; an interrupted run continues with
+
+  python experiments/grid.py --resume results/<run>
 """
 
 import argparse
@@ -14,7 +17,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from fedjax_graph import cli  # noqa: E402
-from fedjax_graph.experiment import run_grid  # noqa: E402
+from fedjax_graph.experiment import resume_grid, run_grid  # noqa: E402
+from fedjax_graph.sweep import NonFiniteUpdateError  # noqa: E402
 
 
 def main(argv=None):
@@ -30,13 +34,20 @@ def main(argv=None):
   parser.add_argument("--out", type=pathlib.Path, default=None,
                       help="output folder (default: results/<dataset>-<setting>-<timestamp>)")
   args = parser.parse_args(argv)
-  config = cli.config_from_args(parser, args)
   try:
+    if args.resume:
+      resume_grid(args.resume, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
+                  progress=not args.no_progress)
+      return
+    config = cli.config_from_args(parser, args)
     run_grid(config, args.rho, args.beta, args.seeds, args.rounds, args.last, out_dir=args.out,
              raw_dir=args.raw_dir, cache_dir=args.cache_dir, chunk=args.chunk,
-             progress=not args.no_progress)
+             progress=not args.no_progress, nonfinite=args.nonfinite,
+             checkpoint_every=args.checkpoint_every, overwrite=args.overwrite)
   except ValueError as err:
     parser.error(str(err))
+  except NonFiniteUpdateError as err:
+    sys.exit(f"error: {err}")
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ def int_list(text: str) -> list[int]:
 
 def add_federation_flags(parser: argparse.ArgumentParser) -> None:
   """Dataset, preset, rounds, seeds, data locations and run controls."""
-  parser.add_argument("--dataset", required=True, choices=["twitch", "wikinet"],
-                      help="MUSAE dataset: twitch (6 countries) or wikinet (3 wikis)")
+  parser.add_argument("--dataset", choices=["twitch", "wikinet"],
+                      help="MUSAE dataset: twitch (6 countries) or wikinet (3 wikis); required "
+                           "unless resuming")
   parser.add_argument("--setting", default=None,
                       help="preset in configs/: s1, s2, s3 for twitch (default s1); "
                            "default for wikinet")
@@ -45,10 +46,24 @@ def add_federation_flags(parser: argparse.ArgumentParser) -> None:
                       help="rounds per compiled call; progress updates per chunk "
                            "(default: %(default)s)")
   parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+  parser.add_argument("--nonfinite", choices=["error", "skip"], default="error",
+                      help="a client update with NaN/Inf is always kept out of the global model; "
+                           "error: stop and name it, skip: go on and count it (default: "
+                           "%(default)s)")
+  parser.add_argument("--checkpoint-every", type=int, default=1,
+                      help="chunks between checkpoints of the whole simulation state "
+                           "(default: %(default)s)")
+  parser.add_argument("--resume", type=pathlib.Path, default=None, metavar="DIR",
+                      help="continue the interrupted run in DIR with its own config.json "
+                           "(other flags but --raw-dir, --cache-dir, --no-progress are ignored)")
+  parser.add_argument("--overwrite", action="store_true",
+                      help="replace a finished or unfinished run in --out")
 
 
 def config_from_args(parser: argparse.ArgumentParser, args) -> Config:
   """The preset named by the flags, or a usage error naming the bad value."""
+  if args.dataset is None:
+    parser.error("--dataset is required (unless --resume DIR)")
   try:
     return load_preset(args.dataset, args.setting, backbone=args.backbone)
   except ValueError as err:

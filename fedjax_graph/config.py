@@ -37,6 +37,9 @@ class Config:
     lr: learning rate eta of the local SGD and of the server step (eq. 8).
     momentum: SGD momentum in [0, 1).  weight_decay: L2 coefficient >= 0.
     max_buckets: most client size buckets (each one batched computation).
+    allow_empty_clients: a client whose split leaves it no training node is an
+      error (False) or takes part with weight 0 and never enters an aggregate
+      (True).
   """
   dataset: str
   setting: str
@@ -51,6 +54,7 @@ class Config:
   momentum: float = 0.9
   weight_decay: float = 1e-5
   max_buckets: int = 3
+  allow_empty_clients: bool = False
 
   def __post_init__(self):
     if self.dataset not in DATASET_DOMAINS:

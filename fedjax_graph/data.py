@@ -84,7 +84,8 @@ def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np
 
   Raises:
     ValueError: if a domain is missing, feature widths differ, a domain has
-      fewer nodes than clients, a client gets no training node, or no seed is given.
+      fewer nodes than clients, a client gets no training node (unless
+      ``config.allow_empty_clients``), or no seed is given.
   """
   seeds = tuple(int(s) for s in seeds)
   if not seeds:
@@ -108,8 +109,9 @@ def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np
   train_counts = np.array([c.num_train for c in first], np.float32)
   empty = [f"{domains[client_domain[k]]} client {k}" for k in range(len(first))
            if first[k].num_train == 0]
-  if empty:
-    raise ValueError(f"client(s) without training nodes: {empty}; use fewer clients per domain")
+  if empty and not config.allow_empty_clients:
+    raise ValueError(f"client(s) without training nodes: {empty}; use fewer clients per domain "
+                     "or set allow_empty_clients: true to give them weight 0")
 
   buckets = graphs.size_buckets([len(c.nodes) for c in first], config.max_buckets)
   shards, train_rows = [], []

@@ -2,11 +2,14 @@
 
 Data → federation → one compiled sweep over every (seed, cell) → files:
 ``config.json``, ``history.npz``, ``summary.csv``, ``heatmap.png``,
-``curves.png``. ``experiments/grid.py`` is its command line.
+``curves.png``. The simulation state is checkpointed while it runs, so an
+interrupted run continues with ``resume_grid``. ``experiments/grid.py`` is its
+command line.
 """
 
 import datetime
 import importlib.metadata
+import json
 import pathlib
 import subprocess
 import time
@@ -15,6 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from fedjax_graph import report
+from fedjax_graph.checkpoint import fingerprint
 from fedjax_graph.config import Config
 from fedjax_graph.data import build_federation, load_dataset
 from fedjax_graph.sweep import grid_cells, run_sweep
@@ -43,10 +47,41 @@ def provenance() -> dict:
   return {"packages": versions, "git_commit": commit}
 
 
+CHECKPOINT = "checkpoint.msgpack"
+OUTPUTS = ("config.json", "history.npz", "summary.csv", "heatmap.png", "curves.png", CHECKPOINT)
+
+
+def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool) -> None:
+  """Refuses to clobber a run: a finished one needs ``overwrite``, an unfinished one ``resume``.
+
+  Raises:
+    ValueError: naming the folder and the flag that would proceed.
+  """
+  finished = (out_dir / "summary.csv").exists()
+  unfinished = not finished and ((out_dir / CHECKPOINT).exists()
+                                 or (out_dir / "config.json").exists())
+  if overwrite:
+    for name in OUTPUTS:
+      (out_dir / name).unlink(missing_ok=True)
+  elif resume:
+    if finished:
+      raise ValueError(f"{out_dir} holds a finished run; nothing to resume "
+                       "(pass --overwrite to run it again)")
+    if not unfinished:
+      raise ValueError(f"{out_dir} holds no run to resume")
+  elif finished:
+    raise ValueError(f"{out_dir} holds a finished run; pass --overwrite to replace it")
+  elif unfinished:
+    raise ValueError(f"{out_dir} holds an unfinished run; continue it with --resume {out_dir} "
+                     "or pass --overwrite to start again")
+  out_dir.mkdir(parents=True, exist_ok=True)
+
+
 def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
              seeds: Sequence[int], rounds: int, last: int, out_dir: Optional[pathlib.Path] = None,
              raw_dir=None, cache_dir=None, chunk: int = 10, progress: bool = True,
-             domain_graphs=None) -> pathlib.Path:
+             domain_graphs=None, nonfinite: str = "error", checkpoint_every: int = 1,
+             resume: bool = False, overwrite: bool = False) -> pathlib.Path:
   """Runs FedAvg and FedAvg+FedIA at every (rho, beta) for every seed and writes the results.
 
   Args:
@@ -59,12 +94,18 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
     chunk: rounds per compiled call.
     progress: show a progress bar.
     domain_graphs: already loaded domain graphs (skips ``load_dataset``).
+    nonfinite: ``error`` or ``skip`` (see ``sweep.run_sweep``).
+    checkpoint_every: chunks between checkpoints of the whole simulation state.
+    resume: continue the unfinished run in ``out_dir`` from its checkpoint.
+    overwrite: replace a finished or unfinished run in ``out_dir``.
 
   Returns:
     The output directory.
 
   Raises:
-    ValueError: for an invalid grid, seed list, ``rounds`` or ``last``.
+    ValueError: for an invalid grid, seed list, ``rounds`` or ``last``, or an
+      output folder that holds a run and no ``resume``/``overwrite``.
+    sweep.NonFiniteUpdateError: under ``nonfinite="error"``.
   """
   if rounds < 1:
     raise ValueError(f"rounds = {rounds}; must be >= 1")
@@ -73,16 +114,29 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
   if not seeds or len(set(seeds)) != len(seeds):
     raise ValueError(f"seeds = {list(seeds)}; give at least one, without repeats")
   cells = grid_cells(rhos, betas)
+  out_dir = pathlib.Path(out_dir) if out_dir else default_out_dir(config)
+  prepare_out_dir(out_dir, resume, overwrite)
   meta = {}
   if domain_graphs is None:
     domain_graphs, meta = load_dataset(config.dataset, raw_dir, cache_dir)
   federation = build_federation(config, domain_graphs, seeds)
-  out_dir = pathlib.Path(out_dir) if out_dir else default_out_dir(config)
-  out_dir.mkdir(parents=True, exist_ok=True)
+
+  setup = {"config": config.to_dict(), "rho": [float(r) for r in rhos],
+           "beta": [float(b) for b in betas], "seeds": [int(s) for s in seeds],
+           "rounds": rounds, "chunk": chunk}
+  record = {**setup, "last": last, "nonfinite": nonfinite, "status": "running",
+            "num_clients": federation.num_clients,
+            "buckets": [len(b) for b in federation.bucket_clients],
+            "data": {"source_sha256": meta.get("source_sha256"),
+                     "format_version": meta.get("format_version")},
+            **provenance()}
+  report.write_json(out_dir / "config.json", record)
 
   start = time.perf_counter()
   history = run_sweep(config, federation, cells, rounds, chunk=chunk, progress=progress,
-                      description=f"{config.dataset}-{config.setting}")
+                      description=f"{config.dataset}-{config.setting}", nonfinite=nonfinite,
+                      checkpoint_path=out_dir / CHECKPOINT, checkpoint_every=checkpoint_every,
+                      fingerprint=fingerprint(setup))
   wall = time.perf_counter() - start
 
   num_fedia = len(cells.rho) - 1
@@ -92,31 +146,50 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
   # The user's values, not their float32 copies (0.3, not 0.30000001).
   rho = np.repeat(np.asarray(rhos, float), len(betas))
   beta = np.tile(np.asarray(betas, float), len(rhos))
+  skipped = history.nonfinite.sum(axis=(0, 2, 3))  # [G'] FedIA cells, then FedAvg
   domains = list(federation.domains)
 
-  report.write_json(out_dir / "config.json", {
-      "config": config.to_dict(), "rho": list(map(float, rhos)), "beta": list(map(float, betas)),
-      "seeds": list(seeds), "rounds": rounds, "last": last, "chunk": chunk,
-      "num_clients": federation.num_clients,
-      "buckets": [len(b) for b in federation.bucket_clients],
-      "data": {"sha256": meta.get("source_sha256", meta.get("sha256")),
-               "meta_version": meta.get("version")},
-      "wall_seconds": wall, "chunk_seconds": history.seconds, **provenance()})
   report.write_history(out_dir / "history.npz", fedia_test=fedia_test, fedia_val=fedia_val,
                        fedavg_test=fedavg_test, fedavg_val=fedavg_val, rho=rho, beta=beta,
                        seeds=np.asarray(seeds), domains=np.asarray(domains),
                        train_loss=history.train_loss, alpha=history.alpha,
-                       mask_coverage=history.mask_coverage)
-  rows = report.summarize(fedavg_test, fedia_test, rho, beta, domains, last)
+                       mask_coverage=history.mask_coverage, nonfinite=history.nonfinite)
+  rows = report.summarize(fedavg_test, fedia_test, rho, beta, domains, last,
+                          skipped=np.concatenate([skipped[-1:], skipped[:-1]]))
   report.write_summary_csv(rows, out_dir / "summary.csv")
   title = f"{config.dataset} {config.setting}, {config.backbone}, {rounds} rounds, seeds {list(seeds)}"
   report.plot_heatmap(rows, out_dir / "heatmap.png", title=title)
   report.plot_curves(fedavg_test, fedia_test, rows, out_dir / "curves.png", title, last=last)
+  report.write_json(out_dir / "config.json", {**record, "status": "finished",
+                                              "wall_seconds_this_call": wall,
+                                              "chunk_seconds_this_call": history.seconds})
+  (out_dir / CHECKPOINT).unlink(missing_ok=True)
 
   best = report.best_cell(rows)
   print(report.format_table(rows, max_rows=10))
-  print(f"best cell: rho={best['rho']}, beta={best['beta']}: AVG {best['avg_mean']:.2f}% "
+  print(f"best cell: rho={best['rho']:g}, beta={best['beta']:g}: AVG {best['avg_mean']:.2f}% "
         f"({best['delta_avg']:+.2f} vs FedAvg); {rounds} rounds of {len(cells.rho)} cells x "
         f"{len(seeds)} seed(s) in {wall:.1f} s")
+  if skipped.sum():
+    print(f"{int(skipped.sum())} non-finite client update(s) were left out (see summary.csv)")
   print(f"results in {out_dir}")
   return out_dir
+
+
+def resume_grid(out_dir: pathlib.Path, raw_dir=None, cache_dir=None, progress: bool = True,
+                domain_graphs=None) -> pathlib.Path:
+  """Continues the unfinished grid run in ``out_dir`` with the setup in its config.json.
+
+  Raises:
+    ValueError: if ``out_dir`` holds no unfinished run.
+  """
+  out_dir = pathlib.Path(out_dir)
+  try:
+    record = json.loads((out_dir / "config.json").read_text())
+  except FileNotFoundError:
+    raise ValueError(f"{out_dir} holds no config.json: not a grid run to resume")
+  config = Config(**record["config"])
+  return run_grid(config, record["rho"], record["beta"], record["seeds"], record["rounds"],
+                  record["last"], out_dir=out_dir, raw_dir=raw_dir, cache_dir=cache_dir,
+                  chunk=record["chunk"], progress=progress, domain_graphs=domain_graphs,
+                  nonfinite=record["nonfinite"], resume=True)

@@ -126,12 +126,12 @@ def summary_columns(domains: Sequence[str]) -> list[str]:
 
   Returns:
     ``method, rho, beta, <d>_mean, <d>_std (per domain), avg_mean, avg_std,
-    std_over, delta_avg``.
+    std_over, delta_avg, skipped_updates``.
   """
   cols = ["method", "rho", "beta"]
   for name in [str(d) for d in domains] + [AVG]:
     cols += [f"{name}_mean", f"{name}_std"]
-  return cols + ["std_over", "delta_avg"]
+  return cols + ["std_over", "delta_avg", "skipped_updates"]
 
 
 def _last_rounds_stats(acc: np.ndarray,
@@ -165,7 +165,7 @@ def _last_rounds_stats(acc: np.ndarray,
 
 def _make_row(method: str, rho: Any, beta: Any, domains: Sequence[str],
               mean: np.ndarray, std: np.ndarray, std_over: str,
-              delta_avg: float) -> Row:
+              delta_avg: float, skipped: int) -> Row:
   """Builds one summary row with keys in ``summary_columns`` order.
 
   Args:
@@ -177,6 +177,7 @@ def _make_row(method: str, rho: Any, beta: Any, domains: Sequence[str],
     std: float [D + 1] percent, AVG last.
     std_over: ``"seeds"`` or ``"rounds"``.
     delta_avg: AVG mean minus FedAvg's AVG mean, percent points.
+    skipped: non-finite client updates left out, over all rounds and seeds.
 
   Returns:
     The row dict.
@@ -187,11 +188,13 @@ def _make_row(method: str, rho: Any, beta: Any, domains: Sequence[str],
     row[f"{name}_std"] = float(std[i])
   row["std_over"] = std_over
   row["delta_avg"] = float(delta_avg)
+  row["skipped_updates"] = int(skipped)
   return row
 
 
 def summarize(fedavg_acc: np.ndarray, fedia_acc: np.ndarray, rho: Any,
-              beta: Any, domains: Sequence[str], last: int) -> list[Row]:
+              beta: Any, domains: Sequence[str], last: int,
+              skipped: Sequence[int] | None = None) -> list[Row]:
   """Summarises the final rounds of FedAvg and every FedAvg+FedIA grid cell.
 
   Per seed, accuracy is averaged over the last ``last`` rounds, per domain
@@ -209,6 +212,8 @@ def summarize(fedavg_acc: np.ndarray, fedia_acc: np.ndarray, rho: Any,
     beta: float [G] β of each cell.
     domains: D domain names.
     last: Number of final rounds summarised, 1 <= last <= T.
+    skipped: int [1 + G] non-finite client updates left out per method (FedAvg
+      first, then the cells), over all rounds and seeds; zeros if None.
 
   Returns:
     1 + G rows (FedAvg first, then cells in input order), each a dict with
@@ -227,15 +232,19 @@ def summarize(fedavg_acc: np.ndarray, fedia_acc: np.ndarray, rho: Any,
   _check_inputs(fedavg_acc, fedia_acc, rho, beta, domains)
   last = _check_last(last, fedavg_acc.shape[1])
 
+  skipped = np.zeros(1 + fedia_acc.shape[0], int) if skipped is None else np.asarray(skipped)
+  if skipped.shape != (1 + fedia_acc.shape[0],):
+    raise ValueError(f"skipped has shape {skipped.shape}; expected ({1 + fedia_acc.shape[0]},)")
+
   base_mean, base_std, std_over = _last_rounds_stats(fedavg_acc, last)
   base_avg = base_mean[-1]
   rows = [_make_row(FEDAVG, "", "", domains, base_mean, base_std, std_over,
-                    0.0)]
+                    0.0, skipped[0])]
   for g in range(fedia_acc.shape[0]):
     mean, std, std_over = _last_rounds_stats(fedia_acc[g], last)
     rows.append(
         _make_row(FEDIA, float(rho[g]), float(beta[g]), domains, mean, std,
-                  std_over, mean[-1] - base_avg))
+                  std_over, mean[-1] - base_avg, skipped[1 + g]))
   return rows
 
 

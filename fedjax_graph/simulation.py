@@ -64,14 +64,18 @@ class RoundMetrics(NamedTuple):
     test_acc: f32[D] test accuracy of the global model per domain, in [0, 1].
     val_acc: f32[D] validation accuracy per domain.
     train_loss: f32[] mean over clients of the last local step's loss.
-    alpha: f32[C] the aggregation weights used (train-count weights for FedAvg).
+    alpha: f32[C] the aggregation weights applied this round (FedIA's alpha, or
+      FedAvg's train-count weights); 0 for clients left out.
     mask_coverage: f32[] share of coordinates FedIA kept (1 for FedAvg).
+    nonfinite: bool[C] clients whose update held a NaN or Inf; they were left
+      out of the aggregation (see ``make_simulation``).
   """
   test_acc: Array
   val_acc: Array
   train_loss: Array
   alpha: Array
   mask_coverage: Array
+  nonfinite: Array
 
 
 class SimData(NamedTuple):
@@ -100,8 +104,9 @@ class Simulation(NamedTuple):
     model: the backbone.
     local_update: one client's local training (``client.make_local_update``).
     aggregate: ``aggregate(state, cell, updates, losses, train_counts)`` ->
-      ``(state, (loss, alpha, mask_coverage))``: the server part of a round for
-      one run (aggregation and W <- W - eta u), not jitted.
+      ``(state, (loss, alpha, mask_coverage, nonfinite))``: the server part of a
+      round for one run (aggregation and W <- W - eta u), not jitted. Clients
+      with a non-finite update or no training node are left out.
     evaluate: ``evaluate(params, val_mask, test_mask, data)`` -> (test f32[D],
       val f32[D]) for one run, not jitted.
     init: ``init(seeds i32[S], cells: Cells) -> SimState`` with leaves [S, G', ...].
@@ -167,6 +172,13 @@ def client_updates_loop(local_update, federation: Federation, propagates_in_trai
   return jax.tree.map(lambda *rows_: jnp.stack(rows_), *per_client)
 
 
+def finite_clients(client_updates: PyTree) -> Array:
+  """bool[C]: True where every coordinate of client k's update is finite."""
+  leaves = jax.tree.leaves(client_updates)
+  per_leaf = [jnp.all(jnp.isfinite(leaf.reshape(leaf.shape[0], -1)), axis=1) for leaf in leaves]
+  return jnp.all(jnp.stack(per_leaf), axis=0)
+
+
 def client_keys(run_key: Array, round_index, num_clients: int) -> Array:
   """[C] dropout keys of round t: fold_in(run key, t), split per client, never reused."""
   return jax.random.split(jax.random.fold_in(run_key, round_index), num_clients)
@@ -211,16 +223,25 @@ def make_simulation(config: Config, federation: Federation) -> Simulation:
         jnp.asarray(seeds), cell_index)
 
   def aggregate(state, cell, updates, losses, train_counts):
-    fedavg_update = aggregators.fedavg(updates, train_counts)
+    # A non-finite update never reaches the global model: its client is treated
+    # as absent this round (weights renormalised over the others, FedIA's alpha
+    # kept); the sweep then stops or counts it, as its policy says.
+    finite = finite_clients(updates)
+    participating = finite & (train_counts > 0)
+    fedavg_update = aggregators.fedavg(updates, train_counts, participating)
     fedia_update, fedia_state, diag = fedia.update(updates, state.aggregator, cell.rho,
-                                                   cell.beta, base_weights=train_counts)
+                                                   cell.beta, base_weights=train_counts,
+                                                   participating=participating)
     pick = lambda a, b: jnp.where(cell.fedia, a, b)
     update = jax.tree.map(pick, fedia_update, fedavg_update)
     params = jax.tree.map(lambda w, u: w - config.lr * u, state.params, update)
     aggregator = jax.tree.map(pick, fedia_state, state.aggregator)
-    metrics = (jnp.mean(losses[:, -1]),
-               pick(diag.alpha, train_counts / jnp.sum(train_counts)),
-               pick(diag.mask_coverage, 1.0))
+    fedavg_weights = jnp.where(participating, train_counts, 0.0)
+    metrics = (jnp.sum(jnp.where(participating, losses[:, -1], 0.0))
+               / jnp.maximum(jnp.sum(participating), 1),
+               pick(jnp.where(participating, diag.alpha, 0.0),
+                    fedavg_weights / jnp.maximum(jnp.sum(fedavg_weights), 1e-12)),
+               pick(diag.mask_coverage, 1.0), ~finite)
     return SimState(params, aggregator, state.key), metrics
 
   def train_and_aggregate(state, cell, shards, train_counts, t):
@@ -235,12 +256,13 @@ def make_simulation(config: Config, federation: Federation) -> Simulation:
 
   def run_round(state, t, cells, data):
     per_cell = jax.vmap(train_and_aggregate, in_axes=(0, 0, None, None, None))
-    state, (loss, alpha, coverage) = jax.vmap(per_cell, in_axes=(0, None, 0, None, None))(
+    state, (loss, alpha, coverage, nonfinite) = jax.vmap(per_cell,
+                                                         in_axes=(0, None, 0, None, None))(
         state, cells, data.client_shards, data.train_counts, t)
     per_cell_eval = jax.vmap(evaluate, in_axes=(0, None, None, None))
     test_acc, val_acc = jax.vmap(per_cell_eval, in_axes=(0, 0, 0, None))(
         state.params, data.eval_val, data.eval_test, data)
-    return state, RoundMetrics(test_acc, val_acc, loss, alpha, coverage)
+    return state, RoundMetrics(test_acc, val_acc, loss, alpha, coverage, nonfinite)
 
   def run_chunk(state, first_round, cells, data, num_rounds):
     trace_count[0] += 1

@@ -2,9 +2,10 @@
 
 ``run_sweep`` advances every (seed, cell) run together, a chunk of rounds per
 call of the one compiled ``run_chunk``; Python only loops over chunks (progress
-bar, collecting history).
+bar, non-finite check, checkpoints, collecting history).
 """
 
+import pathlib
 import time
 from typing import NamedTuple, Optional, Sequence
 
@@ -12,9 +13,16 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from fedjax_graph import checkpoint as ckpt
 from fedjax_graph.config import Config
 from fedjax_graph.data import Federation
-from fedjax_graph.simulation import Cells, Simulation, make_simulation, sim_data
+from fedjax_graph.simulation import Cells, RoundMetrics, Simulation, make_simulation, sim_data
+
+NONFINITE_POLICIES = ("error", "skip")
+
+
+class NonFiniteUpdateError(RuntimeError):
+  """A client sent a NaN or Inf update under the ``error`` policy."""
 
 
 class History(NamedTuple):
@@ -23,16 +31,19 @@ class History(NamedTuple):
   Attributes:
     test_acc: f32[S, G', T, D] test accuracy per domain, in [0, 1].
     val_acc: f32[S, G', T, D] validation accuracy per domain.
-    train_loss: f32[S, G', T] mean last-step local loss over clients.
+    train_loss: f32[S, G', T] mean last-step local loss over aggregated clients.
     alpha: f32[S, G', T, C] aggregation weights per round.
     mask_coverage: f32[S, G', T] share of coordinates aggregated.
-    seconds: wall time of each chunk (the first includes compilation).
+    nonfinite: bool[S, G', T, C] client updates left out for NaN/Inf.
+    seconds: wall time of each chunk run in this call (the first includes
+      compilation).
   """
   test_acc: np.ndarray
   val_acc: np.ndarray
   train_loss: np.ndarray
   alpha: np.ndarray
   mask_coverage: np.ndarray
+  nonfinite: np.ndarray
   seconds: list
 
 
@@ -58,9 +69,27 @@ def grid_cells(rhos: Sequence[float], betas: Sequence[float], with_fedavg: bool 
   return Cells(rho=rho, beta=beta, fedia=fedia)
 
 
+def describe_nonfinite(nonfinite: np.ndarray, first_round: int, federation: Federation,
+                       cells: Cells) -> str:
+  """Names the first non-finite client update of a chunk: round, client, domain, seed, cell.
+
+  Args:
+    nonfinite: bool[S, G', L, C] of a chunk starting at round ``first_round``.
+  """
+  s, g, t, k = np.argwhere(nonfinite)[0]
+  cell = (f"FedIA rho={cells.rho[g]:g}, beta={cells.beta[g]:g}" if cells.fedia[g] else "FedAvg")
+  domain = federation.domains[federation.client_domain[k]]
+  return (f"client {k} (domain {domain}) sent a non-finite update in round {first_round + t + 1} "
+          f"(seed {federation.seeds[s]}, {cell}); {int(nonfinite.sum())} such update(s) in "
+          f"rounds {first_round + 1}-{first_round + nonfinite.shape[2]}. The update was left out "
+          f"of the aggregate; rerun with --nonfinite skip to continue and count them")
+
+
 def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
               chunk: int = 10, progress: bool = True, description: Optional[str] = None,
-              simulation: Optional[Simulation] = None) -> History:
+              simulation: Optional[Simulation] = None, nonfinite: str = "error",
+              checkpoint_path: Optional[pathlib.Path] = None, checkpoint_every: int = 1,
+              fingerprint: str = "") -> History:
   """Runs every (seed, cell) of the batch for ``rounds`` rounds.
 
   Args:
@@ -73,29 +102,65 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     description: label of the progress bar.
     simulation: a ``make_simulation(config, federation)`` to reuse (and not
       compile again); built here if None.
+    nonfinite: ``error``: stop after the chunk in which a client update held a
+      NaN or Inf, naming it; ``skip``: leave such updates out and go on (they
+      are counted in ``History.nonfinite``). Either way no such update ever
+      reaches a global model.
+    checkpoint_path: if given, the state and history are saved there every
+      ``checkpoint_every`` chunks and at the end; if the file exists, the sweep
+      resumes from it (its fingerprint must equal ``fingerprint``).
+    checkpoint_every: chunks between checkpoints, >= 1.
+    fingerprint: identifies the sweep's setup (``checkpoint.fingerprint``).
+
+  Returns:
+    The full history (rounds from a resumed checkpoint included).
 
   Raises:
-    ValueError: if ``rounds`` or ``chunk`` < 1.
+    ValueError: for ``rounds``, ``chunk`` or ``checkpoint_every`` < 1, an
+      unknown policy, or a checkpoint of another setup.
+    NonFiniteUpdateError: under the ``error`` policy.
   """
-  if rounds < 1:
-    raise ValueError(f"rounds = {rounds}; must be >= 1")
-  if chunk < 1:
-    raise ValueError(f"chunk = {chunk}; must be >= 1")
+  for name, value in (("rounds", rounds), ("chunk", chunk), ("checkpoint_every", checkpoint_every)):
+    if value < 1:
+      raise ValueError(f"{name} = {value}; must be >= 1")
+  if nonfinite not in NONFINITE_POLICIES:
+    raise ValueError(f"nonfinite = {nonfinite!r}; choose one of {NONFINITE_POLICIES}")
   sim = simulation or make_simulation(config, federation)
   data = sim_data(federation)
-  cells = jax.device_put(cells)
-  state = sim.init(np.asarray(federation.seeds, np.int32), cells)
-  parts, seconds = [], []
-  bar = tqdm(total=rounds, desc=description, unit="round", disable=not progress)
-  for first in range(0, rounds, chunk):
+  device_cells = jax.device_put(cells)
+  state = sim.init(np.asarray(federation.seeds, np.int32), device_cells)
+  parts, start = [], 0
+  if checkpoint_path is not None and pathlib.Path(checkpoint_path).exists():
+    saved = ckpt.load(checkpoint_path, state)
+    if saved.fingerprint != fingerprint:
+      raise ValueError(f"checkpoint {checkpoint_path} was written by a different setup; "
+                       "resume with the run's own config.json")
+    state, start = jax.device_put(saved.state), saved.next_round
+    parts.append(RoundMetrics(**saved.metrics))
+
+  seconds = []
+  bar = tqdm(total=rounds, initial=start, desc=description, unit="round", disable=not progress)
+  for index, first in enumerate(range(start, rounds, chunk)):
     size = min(chunk, rounds - first)
-    start = time.perf_counter()
-    state, metrics = sim.run_chunk(state, np.int32(first), cells, data, num_rounds=size)
-    parts.append(jax.device_get(metrics))
-    seconds.append(time.perf_counter() - start)
+    begin = time.perf_counter()
+    state, metrics = sim.run_chunk(state, np.int32(first), device_cells, data, num_rounds=size)
+    metrics = jax.device_get(metrics)
+    seconds.append(time.perf_counter() - begin)
+    parts.append(metrics)
     bar.update(size)
-    bar.set_postfix(avg_test=f"{100 * parts[-1].test_acc[..., -1, :].mean():.1f}%")
+    bar.set_postfix(avg_test=f"{100 * np.nanmean(metrics.test_acc[..., -1, :]):.1f}%")
+    if nonfinite == "error" and metrics.nonfinite.any():
+      bar.close()
+      raise NonFiniteUpdateError(describe_nonfinite(metrics.nonfinite, first, federation, cells))
+    done = first + size
+    if checkpoint_path is not None and ((index + 1) % checkpoint_every == 0 or done == rounds):
+      ckpt.save(checkpoint_path, ckpt.Checkpoint(
+          state=jax.device_get(state), metrics=_join(parts)._asdict(), next_round=done,
+          fingerprint=fingerprint))
   bar.close()
-  joined = jax.tree.map(lambda *xs: np.concatenate(xs, axis=2), *parts)
-  return History(joined.test_acc, joined.val_acc, joined.train_loss, joined.alpha,
-                 joined.mask_coverage, seconds)
+  return History(**_join(parts)._asdict(), seconds=seconds)
+
+
+def _join(parts: list[RoundMetrics]) -> RoundMetrics:
+  """Concatenates chunks' metrics along the round axis (axis 2 of [S, G', L, ...])."""
+  return jax.tree.map(lambda *xs: np.concatenate(xs, axis=2), *parts)

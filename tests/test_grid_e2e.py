@@ -32,13 +32,13 @@ def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, caps
     rows = list(reader)
   expected_columns = ["method", "rho", "beta"] + [
       f"{d}_{s}" for d in domains for s in ("mean", "std")] + [
-      "avg_mean", "avg_std", "std_over", "delta_avg"]
+      "avg_mean", "avg_std", "std_over", "delta_avg", "skipped_updates"]
   assert reader.fieldnames == expected_columns
   assert [r["method"] for r in rows] == ["fedavg"] + ["fedavg+fedia"] * 4
   assert rows[0]["rho"] == rows[0]["beta"] == ""
   assert {(r["rho"], r["beta"]) for r in rows[1:]} == {
       ("0.3", "0.5"), ("0.3", "0.9"), ("0.7", "0.5"), ("0.7", "0.9")}
-  assert all(r["std_over"] == "rounds" for r in rows)
+  assert all(r["std_over"] == "rounds" and r["skipped_updates"] == "0" for r in rows)
   for r in rows:
     means = [float(r[f"{d}_mean"]) for d in domains]
     assert all(0 <= m <= 100 for m in means)
@@ -58,7 +58,9 @@ def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, caps
       100 * history["fedavg_test"][0, -2:, 0].mean(), abs=1e-3)
 
   config = json.loads((out / "config.json").read_text())
-  assert config["config"]["dataset"] == "wikinet"
+  assert config["config"]["dataset"] == "wikinet" and config["status"] == "finished"
+  assert config["data"]["source_sha256"]  # the raw files' checksums
+  assert not (out / "checkpoint.msgpack").exists()  # a finished run keeps no checkpoint
   assert config["num_clients"] == 6 and config["rounds"] == 3
   assert config["packages"]["jax"]
   for name in ("heatmap.png", "curves.png"):

@@ -1,0 +1,174 @@
+"""Resumable sweeps, non-finite updates, validated inputs and distinct random streams."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from fedjax_graph import aggregators, config, data, experiment, simulation, sweep
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_wikinet):
+  cfg = config.load_preset("wikinet", hidden=8)
+  federation = data.build_federation(cfg, tiny_wikinet, seeds=[0, 1])
+  return cfg, federation, simulation.make_simulation(cfg, federation)
+
+
+class Interrupt(Exception):
+  pass
+
+
+def _interrupting(sim, after_chunks):
+  calls = [0]
+
+  def run_chunk(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] > after_chunks:
+      raise Interrupt
+    return sim.run_chunk(*args, **kwargs)
+
+  return sim._replace(run_chunk=run_chunk)
+
+
+def test_resumed_sweep_equals_uninterrupted(setup, tmp_path):
+  cfg, federation, sim = setup
+  cells = sweep.grid_cells([0.3, 0.7], [0.5])
+  run = lambda s, path: sweep.run_sweep(cfg, federation, cells, rounds=6, chunk=2, progress=False,
+                                        simulation=s, checkpoint_path=path, fingerprint="f")
+  whole = run(sim, None)
+  path = tmp_path / "ckpt.msgpack"
+  with pytest.raises(Interrupt):
+    run(_interrupting(sim, after_chunks=2), path)
+  assert path.exists()
+  resumed = run(sim, path)
+  assert len(resumed.seconds) == 1  # only the last chunk ran again
+  for name in ("test_acc", "val_acc", "train_loss", "alpha", "mask_coverage", "nonfinite"):
+    np.testing.assert_array_equal(getattr(resumed, name), getattr(whole, name), err_msg=name)
+  with pytest.raises(ValueError, match="different setup"):
+    sweep.run_sweep(cfg, federation, cells, rounds=6, chunk=2, progress=False, simulation=sim,
+                    checkpoint_path=path, fingerprint="other")
+
+
+def test_grid_resume_overwrite_and_refusals(setup, tiny_wikinet, tmp_path, monkeypatch):
+  cfg, _, _ = setup
+  kwargs = dict(rhos=[0.5], betas=[0.3, 0.9], seeds=[0], rounds=4, last=2, chunk=1,
+                progress=False, domain_graphs=tiny_wikinet)
+  whole = experiment.run_grid(cfg, out_dir=tmp_path / "whole", **kwargs)
+
+  real = sweep.make_simulation
+  monkeypatch.setattr(sweep, "make_simulation", lambda *a: _interrupting(real(*a), 2))
+  with pytest.raises(Interrupt):
+    experiment.run_grid(cfg, out_dir=tmp_path / "cut", **kwargs)
+  monkeypatch.setattr(sweep, "make_simulation", real)
+  assert json.loads((tmp_path / "cut" / "config.json").read_text())["status"] == "running"
+  with pytest.raises(ValueError, match="unfinished run; continue it with --resume"):
+    experiment.run_grid(cfg, out_dir=tmp_path / "cut", **kwargs)
+  experiment.resume_grid(tmp_path / "cut", domain_graphs=tiny_wikinet, progress=False)
+
+  a, b = np.load(whole / "history.npz"), np.load(tmp_path / "cut" / "history.npz")
+  assert sorted(a.files) == sorted(b.files)
+  for name in a.files:
+    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+  assert (whole / "summary.csv").read_text() == (tmp_path / "cut" / "summary.csv").read_text()
+
+  with pytest.raises(ValueError, match="finished run; pass --overwrite"):
+    experiment.run_grid(cfg, out_dir=whole, **kwargs)
+  with pytest.raises(ValueError, match="finished run; nothing to resume"):
+    experiment.resume_grid(whole, domain_graphs=tiny_wikinet)
+  experiment.run_grid(cfg, out_dir=whole, overwrite=True, **kwargs)
+  np.testing.assert_array_equal(np.load(whole / "history.npz")["fedia_test"], a["fedia_test"])
+
+
+def _poisoned(tiny_wikinet, domain="chameleon"):
+  graphs = {d: dict(g) for d, g in tiny_wikinet.items()}
+  graphs[domain]["x"] = graphs[domain]["x"].copy()
+  graphs[domain]["x"][:] = np.nan  # every client of this domain sends a NaN update
+  return graphs
+
+
+def test_nonfinite_updates_skip_keeps_models_finite(tiny_wikinet):
+  cfg = config.load_preset("wikinet", hidden=8)
+  federation = data.build_federation(cfg, _poisoned(tiny_wikinet), seeds=[0])
+  history = sweep.run_sweep(cfg, federation, sweep.grid_cells([0.5], [0.5]), rounds=3,
+                            progress=False, nonfinite="skip")
+  poisoned = federation.client_domain == 0
+  assert history.nonfinite[..., poisoned].all() and not history.nonfinite[..., ~poisoned].any()
+  assert np.isfinite(history.alpha).all() and np.isfinite(history.train_loss).all()
+  np.testing.assert_array_equal(history.alpha[..., poisoned], 0.0)
+  np.testing.assert_allclose(history.alpha.sum(-1), 1.0, rtol=1e-5)
+  # The other domains still learn a finite model; the poisoned one's accuracy is just low.
+  assert np.isfinite(history.test_acc).all()
+
+
+def test_nonfinite_updates_error_names_round_client_and_domain(tiny_wikinet):
+  cfg = config.load_preset("wikinet", hidden=8)
+  federation = data.build_federation(cfg, _poisoned(tiny_wikinet, "squirrel"), seeds=[0])
+  with pytest.raises(sweep.NonFiniteUpdateError,
+                     match=r"client 2 \(domain squirrel\) .* in round 1 \(seed 0, FedIA rho=0.5"):
+    sweep.run_sweep(cfg, federation, sweep.grid_cells([0.5], [0.5]), rounds=2, progress=False)
+
+
+def test_one_nan_client_would_poison_every_fedia_weight_without_the_guard():
+  updates = {"w": np.array([[1.0, 2.0], [np.nan, 0.0], [0.5, 0.5]], np.float32)}
+  fedia = aggregators.fedia()
+  poisoned, _, unguarded = fedia.update(updates, fedia.init(3), 1.0, 0.0)
+  # Why the simulation masks such clients out: one NaN score turns every softmax weight
+  # into NaN, and the aggregate with it.
+  assert np.isnan(unguarded.softmax).all() and np.isnan(poisoned["w"]).any()
+  finite = simulation.finite_clients(updates)
+  np.testing.assert_array_equal(finite, [True, False, True])
+  update, _, guarded = fedia.update(updates, fedia.init(3), 1.0, 0.0, participating=finite)
+  assert np.isfinite(update["w"]).all() and np.isfinite(guarded.alpha).all()
+
+
+def test_empty_clients_error_or_weight_zero(tiny_wikinet):
+  graphs = dict(tiny_wikinet)
+  graphs["chameleon"] = {k: v for k, v in tiny_wikinet["chameleon"].items()}
+  graphs["chameleon"] = dict(x=graphs["chameleon"]["x"][:2], y=graphs["chameleon"]["y"][:2],
+                             edge_index=np.zeros((2, 0), np.int32))
+  cfg = config.load_preset("wikinet", hidden=8, split=[0.4, 0.3, 0.3])
+  with pytest.raises(ValueError, match="without training nodes.*allow_empty_clients"):
+    data.build_federation(cfg, graphs, seeds=[0])
+  cfg = dataclasses.replace(cfg, allow_empty_clients=True)
+  federation = data.build_federation(cfg, graphs, seeds=[0])
+  assert federation.train_counts[:2].tolist() == [0, 0]
+  history = sweep.run_sweep(cfg, federation, sweep.grid_cells([0.5], [0.5]), rounds=2,
+                            progress=False)
+  np.testing.assert_array_equal(history.alpha[..., :2], 0.0)
+  assert np.isfinite(history.alpha).all() and not history.nonfinite.any()
+
+
+def test_cells_and_seeds_never_share_a_key(setup):
+  _, federation, sim = setup
+  cells = jax.device_put(sweep.grid_cells([0.1, 0.5], [0.3, 0.9]))
+  keys = np.asarray(sim.init(np.array(federation.seeds, np.int32), cells).key)  # [S, G', 2]
+  flat = [tuple(k) for k in keys.reshape(-1, keys.shape[-1])]
+  assert len(set(flat)) == len(flat) == 2 * 5
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(clients_per_domain={"chameleon": 0, "squirrel": 2, "crocodile": 2}),
+     "clients_per_domain['chameleon'] = 0"),
+    (dict(clients_per_domain={"chameleon": 2, "squirrel": 2, "crocodile": 2, "mars": 1}),
+     "unknown wikinet domain(s) ['mars']"),
+    (dict(split=[0.6, 0.6, -0.2]), "split = [0.6, 0.6, -0.2]"),
+    (dict(backbone="transformer"), "Unsupported model: 'transformer'"),
+    (dict(dropout=1.0), "dropout = 1.0"),
+    (dict(lr=0), "lr = 0"),
+    (dict(local_steps=0), "local_steps = 0"),
+    (dict(colour="red"), "unknown config field(s) ['colour']"),
+])
+def test_config_values_are_checked_with_named_messages(overrides, message):
+  with pytest.raises(ValueError) as err:
+    config.load_preset("wikinet", **overrides)
+  assert message in str(err.value)
+
+
+def test_more_clients_than_nodes_is_an_error(tiny_wikinet):
+  cfg = config.load_preset("wikinet", hidden=8,
+                           clients_per_domain={"chameleon": 41, "squirrel": 2, "crocodile": 2})
+  with pytest.raises(ValueError, match="cannot cut a domain of 40 nodes into 41 clients"):
+    data.build_federation(cfg, tiny_wikinet, seeds=[0])
