@@ -16,7 +16,7 @@ One round (FedIA paper, Algorithm 1, with full participation):
   4. the new global model is evaluated on every domain's full graph.
 """
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +69,9 @@ class RoundMetrics(NamedTuple):
     mask_coverage: f32[] share of coordinates FedIA kept (1 for FedAvg).
     nonfinite: bool[C] clients whose update held a NaN or Inf; they were left
       out of the aggregation (see ``make_simulation``).
+    diagnostics: ``diagnostics.RoundDiagnostics`` of the round's client updates
+      at the rounds a ``DiagnosticsSpec`` names (zeros at other rounds), or
+      None when diagnostics are off.
   """
   test_acc: Array
   val_acc: Array
@@ -76,6 +79,18 @@ class RoundMetrics(NamedTuple):
   alpha: Array
   mask_coverage: Array
   nonfinite: Array
+  diagnostics: Optional[NamedTuple] = None
+
+
+class DiagnosticsSpec(NamedTuple):
+  """Opt-in update diagnostics (FedIA paper, Sec. 3.2), computed inside the jitted rounds.
+
+  Attributes:
+    rounds: the 1-based rounds at which to compute them (static).
+    top: the salient share p of coordinates per client (static), e.g. 0.05.
+  """
+  rounds: tuple[int, ...]
+  top: float = 0.05
 
 
 class SimData(NamedTuple):
@@ -193,13 +208,16 @@ def domain_accuracy(pred: Array, labels: Array, mask: Array, node_domain: Array,
   return correct / jnp.maximum(count, 1)
 
 
-def make_simulation(config: Config, federation: Federation) -> Simulation:
+def make_simulation(config: Config, federation: Federation,
+                    diagnostics: Optional[DiagnosticsSpec] = None) -> Simulation:
   """Builds the batched round, chunk and init functions for a federation.
 
   Args:
     config: model and local training recipe.
     federation: the padded federation (only its static layout is closed over;
       its arrays are passed at call time via ``sim_data``).
+    diagnostics: compute update diagnostics at these rounds; None (the
+      default) compiles none of it, so a plain sweep pays nothing.
   """
   model = make_model(config.backbone, federation.num_classes, config.hidden,
                      config.num_layers, config.dropout)
@@ -247,7 +265,21 @@ def make_simulation(config: Config, federation: Federation) -> Simulation:
   def train_and_aggregate(state, cell, shards, train_counts, t):
     updates, losses = client_updates(local_update, federation, model.propagate_train,
                                      state.params, shards, client_keys(state.key, t, num_clients))
-    return aggregate(state, cell, updates, losses, train_counts)
+    state, metrics = aggregate(state, cell, updates, losses, train_counts)
+    if diagnostics is None:
+      return state, metrics + (None,)
+    return state, metrics + (round_diagnostics(updates, train_counts, metrics[-1], t),)
+
+  def round_diagnostics(updates, train_counts, nonfinite, t):
+    from fedjax_graph import diagnostics as diag_lib  # Only imported when asked for.
+
+    weights = jnp.where(nonfinite, 0.0, train_counts)
+    compute = lambda u: diag_lib.round_diagnostics(u, weights, diagnostics.top)
+    skip = lambda u: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                  jax.eval_shape(compute, u))
+    # t is the same for every run of the batch, so under vmap this stays a
+    # branch and rounds without a checkpoint compute nothing.
+    return jax.lax.cond(jnp.isin(t + 1, jnp.asarray(diagnostics.rounds)), compute, skip, updates)
 
   def evaluate(params, val_mask, test_mask, data):
     pred = predict(model, params, data.eval_x, data.eval_graph)
@@ -256,13 +288,13 @@ def make_simulation(config: Config, federation: Federation) -> Simulation:
 
   def run_round(state, t, cells, data):
     per_cell = jax.vmap(train_and_aggregate, in_axes=(0, 0, None, None, None))
-    state, (loss, alpha, coverage, nonfinite) = jax.vmap(per_cell,
-                                                         in_axes=(0, None, 0, None, None))(
-        state, cells, data.client_shards, data.train_counts, t)
+    state, (loss, alpha, coverage, nonfinite, diags) = jax.vmap(
+        per_cell, in_axes=(0, None, 0, None, None))(
+            state, cells, data.client_shards, data.train_counts, t)
     per_cell_eval = jax.vmap(evaluate, in_axes=(0, None, None, None))
     test_acc, val_acc = jax.vmap(per_cell_eval, in_axes=(0, 0, 0, None))(
         state.params, data.eval_val, data.eval_test, data)
-    return state, RoundMetrics(test_acc, val_acc, loss, alpha, coverage, nonfinite)
+    return state, RoundMetrics(test_acc, val_acc, loss, alpha, coverage, nonfinite, diags)
 
   def run_chunk(state, first_round, cells, data, num_rounds):
     trace_count[0] += 1

@@ -16,7 +16,8 @@ from tqdm.auto import tqdm
 from fedjax_graph import checkpoint as ckpt
 from fedjax_graph.config import Config
 from fedjax_graph.data import Federation
-from fedjax_graph.simulation import Cells, RoundMetrics, Simulation, make_simulation, sim_data
+from fedjax_graph.simulation import (Cells, DiagnosticsSpec, RoundMetrics, Simulation,
+                                     make_simulation, sim_data)
 
 NONFINITE_POLICIES = ("error", "skip")
 
@@ -35,6 +36,8 @@ class History(NamedTuple):
     alpha: f32[S, G', T, C] aggregation weights per round.
     mask_coverage: f32[S, G', T] share of coordinates aggregated.
     nonfinite: bool[S, G', T, C] client updates left out for NaN/Inf.
+    diagnostics: ``diagnostics.RoundDiagnostics`` with leaves [S, G', T, ...]
+      (zeros outside the requested rounds), or None.
     seconds: wall time of each chunk run in this call (the first includes
       compilation).
   """
@@ -44,6 +47,7 @@ class History(NamedTuple):
   alpha: np.ndarray
   mask_coverage: np.ndarray
   nonfinite: np.ndarray
+  diagnostics: object
   seconds: list
 
 
@@ -89,7 +93,7 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
               chunk: int = 10, progress: bool = True, description: Optional[str] = None,
               simulation: Optional[Simulation] = None, nonfinite: str = "error",
               checkpoint_path: Optional[pathlib.Path] = None, checkpoint_every: int = 1,
-              fingerprint: str = "") -> History:
+              fingerprint: str = "", diagnostics: Optional[DiagnosticsSpec] = None) -> History:
   """Runs every (seed, cell) of the batch for ``rounds`` rounds.
 
   Args:
@@ -111,6 +115,8 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
       resumes from it (its fingerprint must equal ``fingerprint``).
     checkpoint_every: chunks between checkpoints, >= 1.
     fingerprint: identifies the sweep's setup (``checkpoint.fingerprint``).
+    diagnostics: compute update diagnostics at these rounds (not with
+      checkpoints, which keep only the plain history).
 
   Returns:
     The full history (rounds from a resumed checkpoint included).
@@ -125,7 +131,9 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
       raise ValueError(f"{name} = {value}; must be >= 1")
   if nonfinite not in NONFINITE_POLICIES:
     raise ValueError(f"nonfinite = {nonfinite!r}; choose one of {NONFINITE_POLICIES}")
-  sim = simulation or make_simulation(config, federation)
+  if diagnostics is not None and checkpoint_path is not None:
+    raise ValueError("diagnostics runs are not checkpointed; drop one of the two")
+  sim = simulation or make_simulation(config, federation, diagnostics)
   data = sim_data(federation)
   device_cells = jax.device_put(cells)
   state = sim.init(np.asarray(federation.seeds, np.int32), device_cells)
