@@ -45,7 +45,7 @@ def save(path: os.PathLike, checkpoint: Checkpoint) -> None:
   payload = serialization.msgpack_serialize({
       "version": FORMAT_VERSION,
       "state": serialization.to_state_dict(checkpoint.state),
-      "metrics": {k: np.asarray(v) for k, v in checkpoint.metrics.items()},
+      "metrics": {k: np.asarray(v) for k, v in checkpoint.metrics.items() if v is not None},
       "next_round": checkpoint.next_round,
       "fingerprint": checkpoint.fingerprint,
   })

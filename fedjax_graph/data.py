@@ -62,11 +62,6 @@ class Federation:
   def num_clients(self) -> int:
     return len(self.client_domain)
 
-  def client_sizes(self) -> list[tuple[str, int]]:
-    """(domain, padded node budget) of each bucket, for logs."""
-    return [(f"{len(c)} clients", s.x.shape[-2]) for c, s in zip(self.bucket_clients,
-                                                                  self.client_shards)]
-
 
 def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np.ndarray]],
                      seeds: Sequence[int], pad_multiple: int = 8) -> Federation:

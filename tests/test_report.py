@@ -64,7 +64,8 @@ def _assert_no_temp_files(directory, expected):
 
 def test_columns_in_exact_order(rows_one_seed):
   expected = ["method", "rho", "beta", "cora_mean", "cora_std", "dblp_mean",
-              "dblp_std", "avg_mean", "avg_std", "std_over", "delta_avg"]
+              "dblp_std", "avg_mean", "avg_std", "std_over", "delta_avg",
+              "skipped_updates"]
   assert report.summary_columns(DOMAINS) == expected
   for row in rows_one_seed:
     assert list(row) == expected
@@ -352,3 +353,15 @@ def test_module_does_not_import_jax():
           "spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
           "assert 'jax' not in sys.modules, 'report imported jax'")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_skipped_updates_column_counts_per_method():
+  rows = report.summarize(_fedavg_one_seed(), _fedia_two_cells(), rho=[0.5, 0.5],
+                          beta=[1.0, 2.0], domains=DOMAINS, last=2, skipped=[3, 0, 7])
+  assert [r["skipped_updates"] for r in rows] == [3, 0, 7]
+  assert all(r["skipped_updates"] == 0 for r in report.summarize(
+      _fedavg_one_seed(), _fedia_two_cells(), rho=[0.5, 0.5], beta=[1.0, 2.0],
+      domains=DOMAINS, last=2))
+  with pytest.raises(ValueError, match="skipped has shape"):
+    report.summarize(_fedavg_one_seed(), _fedia_two_cells(), rho=[0.5, 0.5], beta=[1.0, 2.0],
+                     domains=DOMAINS, last=2, skipped=[1, 2])
