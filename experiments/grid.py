@@ -25,6 +25,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   cli.add_federation_flags(parser)
+  cli.add_sweep_flags(parser)
   parser.add_argument("--rho", type=cli.float_list, default="0.1,0.3,0.5,0.7,0.9",
                       help="FedIA mask ratios, comma list in (0, 1] (default: %(default)s)")
   parser.add_argument("--beta", type=cli.float_list, default="0.1,0.3,0.5,0.7,0.9",

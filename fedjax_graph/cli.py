@@ -31,8 +31,6 @@ def add_federation_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--setting", default=None,
                       help="preset in configs/: s1, s2, s3 for twitch (default s1); "
                            "default for wikinet")
-  parser.add_argument("--backbone", default=None, choices=sorted(BACKBONES),
-                      help="model (default: the preset's, pmlp_gcn)")
   parser.add_argument("--rounds", type=int, default=200, help="rounds T (default: %(default)s)")
   parser.add_argument("--seeds", type=int_list, default="0",
                       help="comma list of seeds, run together in one batch (default: %(default)s)")
@@ -46,6 +44,14 @@ def add_federation_flags(parser: argparse.ArgumentParser) -> None:
                       help="rounds per compiled call; progress updates per chunk "
                            "(default: %(default)s)")
   parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+  parser.add_argument("--overwrite", action="store_true",
+                      help="replace a finished (or unfinished) run in --out")
+
+
+def add_sweep_flags(parser: argparse.ArgumentParser) -> None:
+  """Backbone, non-finite policy, checkpoints and resume, for long sweeps."""
+  parser.add_argument("--backbone", default=None, choices=sorted(BACKBONES),
+                      help="model (default: the preset's, pmlp_gcn)")
   parser.add_argument("--nonfinite", choices=["error", "skip"], default="error",
                       help="a client update with NaN/Inf is always kept out of the global model; "
                            "error: stop and name it, skip: go on and count it (default: "
@@ -56,8 +62,6 @@ def add_federation_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--resume", type=pathlib.Path, default=None, metavar="DIR",
                       help="continue the interrupted run in DIR with its own config.json "
                            "(other flags but --raw-dir, --cache-dir, --no-progress are ignored)")
-  parser.add_argument("--overwrite", action="store_true",
-                      help="replace a finished or unfinished run in --out")
 
 
 def config_from_args(parser: argparse.ArgumentParser, args) -> Config:

@@ -1,0 +1,76 @@
+"""Diagnostics inside the jitted rounds: opt-in, trajectory-neutral, end to end on real data."""
+
+import csv
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from fedjax_graph import config, data, diagnostics, simulation, sweep
+
+
+def test_diagnostics_do_not_change_the_trajectory(tiny_wikinet):
+  cfg = config.load_preset("wikinet", hidden=8)
+  federation = data.build_federation(cfg, tiny_wikinet, seeds=[0])
+  cells = sweep.grid_cells([0.4], [0.6])
+  plain = sweep.run_sweep(cfg, federation, cells, rounds=4, chunk=2, progress=False)
+  spec = simulation.DiagnosticsSpec(rounds=(1, 4), top=0.1)
+  observed = sweep.run_sweep(cfg, federation, cells, rounds=4, chunk=2, progress=False,
+                             diagnostics=spec)
+  assert plain.diagnostics is None
+  for name in ("test_acc", "val_acc", "train_loss", "alpha", "mask_coverage"):
+    np.testing.assert_array_equal(getattr(plain, name), getattr(observed, name), err_msg=name)
+  jaccard = observed.diagnostics.jaccard  # [S, G', T, C, C]
+  np.testing.assert_array_equal(jaccard[:, :, [1, 2]], 0.0)  # not a checkpoint round
+  np.testing.assert_allclose(np.diagonal(jaccard[:, :, [0, 3]], axis1=-2, axis2=-1), 1.0)
+  off_diagonal = jaccard[0, 0, 0][~np.eye(federation.num_clients, dtype=bool)]
+  assert np.all((off_diagonal >= 0) & (off_diagonal < 1))
+
+
+def _diagnose_main():
+  spec = importlib.util.spec_from_file_location("diagnose", REPO / "experiments" / "diagnose.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.main
+
+
+def test_diagnose_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, capsys):
+  out = tmp_path / "dissect"
+  _diagnose_main()(["--dataset", "wikinet", "--rounds", "3", "--checkpoints", "1,3",
+                    "--backbones", "pmlp_gcn,mlp", "--aggregators", "fedavg,fedia",
+                    "--raw-dir", str(raw_dir), "--cache-dir", str(prepared_cache),
+                    "--out", str(out), "--no-progress"])
+  headline = json.loads((out / "headline.json").read_text())
+  assert "pmlp_gcn/fedavg" in json.dumps(headline) and "mlp/fedia" in json.dumps(headline)
+  for name in ("overlap_curves.png", "abs_cosine.png", "alignment.png", "factor_association.png",
+               "dilution.png", "jaccard_pmlp_gcn_fedavg.png", "overlap.csv", "pairs.csv",
+               "clients.csv", "factor_association.csv", "domain_factors.csv", "dilution.csv"):
+    assert (out / name).exists(), name
+  with open(out / "overlap.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert {r["round"] for r in rows} == {"1", "3"}
+  for r in rows:
+    assert 0 <= float(r["mean_offdiag"]) <= 1
+    assert float(r["random_reference"]) == pytest.approx(0.05 / 1.95, abs=1e-4)
+  arrays = np.load(out / "diagnostics.npz")
+  assert arrays["pmlp_gcn/fedavg/jaccard"].shape == (1, 2, 6, 6)  # [S, K, C, C]
+  assert arrays["factor/label_js"].shape == (3, 3)
+  # The salient sets of two clients of one round overlap more than random sets would.
+  assert arrays["pmlp_gcn/fedavg/jaccard"][0, 0][~np.eye(6, dtype=bool)].mean() > (
+      diagnostics.random_overlap_reference(0.05))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--checkpoints", "0,3"], "checkpoints = [0, 3]"),
+    (["--checkpoints", "5", "--rounds", "3"], "checkpoints = [5]"),
+    (["--top", "1.5"], "top = 1.5"),
+    (["--backbones", "pmlp_gcn,resnet"], "backbones = ['pmlp_gcn', 'resnet']"),
+    (["--aggregators", "fedavg,krum"], "aggregators = ['fedavg', 'krum']"),
+])
+def test_diagnose_rejects_bad_flags(flags, message, tmp_path, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    _diagnose_main()(["--dataset", "wikinet", "--out", str(tmp_path / "x"), *flags])
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
