@@ -50,8 +50,9 @@ def main(argv=None):
                             args.checkpoints, args.rounds, args.seeds, top=args.top, rho=args.rho,
                             beta=args.beta, out_dir=args.out, raw_dir=args.raw_dir,
                             cache_dir=args.cache_dir, chunk=args.chunk,
-                            progress=not args.no_progress, overwrite=args.overwrite)
-  except ValueError as err:
+                            progress=not args.no_progress, overwrite=args.overwrite,
+                            verify=not args.no_verify)
+  except (ValueError, FileNotFoundError) as err:
     parser.error(str(err))
   print(json.dumps(headline, indent=2, default=float))
 

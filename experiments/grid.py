@@ -38,14 +38,15 @@ def main(argv=None):
   try:
     if args.resume:
       resume_grid(args.resume, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, verify=not args.no_verify)
       return
     config = cli.config_from_args(parser, args)
     run_grid(config, args.rho, args.beta, args.seeds, args.rounds, args.last, out_dir=args.out,
              raw_dir=args.raw_dir, cache_dir=args.cache_dir, chunk=args.chunk,
              progress=not args.no_progress, nonfinite=args.nonfinite,
-             checkpoint_every=args.checkpoint_every, overwrite=args.overwrite)
-  except ValueError as err:
+             checkpoint_every=args.checkpoint_every, overwrite=args.overwrite,
+             verify=not args.no_verify)
+  except (ValueError, FileNotFoundError) as err:
     parser.error(str(err))
   except NonFiniteUpdateError as err:
     sys.exit(f"error: {err}")

@@ -40,6 +40,9 @@ def add_federation_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--cache-dir", type=pathlib.Path, default=None,
                       help="prepared-data cache (default: $FEDJAX_GRAPH_CACHE or "
                            "~/.cache/fedjax_graph)")
+  parser.add_argument("--no-verify", action="store_true",
+                      help="accept raw files that differ from the SNAP release (edited or custom "
+                           "data; they are still validated)")
   parser.add_argument("--chunk", type=int, default=10,
                       help="rounds per compiled call; progress updates per chunk "
                            "(default: %(default)s)")

@@ -168,7 +168,8 @@ def _union_graph(domain_graphs, domains, pad_multiple):
           graphs.csr_graph(edge_index, total, rows), offsets)
 
 
-def load_dataset(dataset: str, raw_dir=None, cache_dir=None) -> tuple[dict, dict]:
+def load_dataset(dataset: str, raw_dir=None, cache_dir=None, verify: bool = True
+                 ) -> tuple[dict, dict]:
   """Prepares (on first use) and loads every domain of ``dataset``.
 
   Args:
@@ -177,12 +178,13 @@ def load_dataset(dataset: str, raw_dir=None, cache_dir=None) -> tuple[dict, dict
       cache, or a download (see ``data_prep.prepare``).
     cache_dir: the prepared-data cache; None: ``$FEDJAX_GRAPH_CACHE`` or
       ``~/.cache/fedjax_graph``.
+    verify: check the raw files against the SNAP release's sha256 table.
 
   Returns:
     (``{domain: {"x", "y", "edge_index"}}``, the cache's meta.json contents).
   """
   import data_prep  # Host-only; kept out of the import path of the JAX modules.
 
-  prepared = data_prep.prepare(dataset, raw_dir=raw_dir, cache_dir=cache_dir)
+  prepared = data_prep.prepare(dataset, raw_dir=raw_dir, cache_dir=cache_dir, verify=verify)
   graphs_ = {d: data_prep.load_domain(prepared, d) for d in data_prep.DATASETS[dataset]}
   return graphs_, data_prep.load_meta(prepared)

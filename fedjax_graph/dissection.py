@@ -40,7 +40,7 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
                  seeds: Sequence[int], top: float = 0.05, rho: float = 0.5, beta: float = 0.5,
                  out_dir: Optional[pathlib.Path] = None, raw_dir=None, cache_dir=None,
                  chunk: int = 10, progress: bool = True, overwrite: bool = False,
-                 domain_graphs=None) -> dict:
+                 domain_graphs=None, verify: bool = True) -> dict:
   """Runs every backbone x aggregator with diagnostics and writes the dissection.
 
   Args:
@@ -53,6 +53,7 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
     out_dir: output folder; default ``results/<dataset>-<setting>-diagnose-<timestamp>``.
     raw_dir, cache_dir, chunk, progress: as for the grid experiment.
     overwrite: replace a finished run in ``out_dir``.
+    verify: check the raw files against the SNAP checksums.
     domain_graphs: already loaded domain graphs (skips ``load_dataset``).
 
   Returns:
@@ -88,7 +89,7 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
   prepare_out_dir(out_dir, resume=False, overwrite=overwrite)
   meta = {}
   if domain_graphs is None:
-    domain_graphs, meta = load_dataset(dataset, raw_dir, cache_dir)
+    domain_graphs, meta = load_dataset(dataset, raw_dir, cache_dir, verify)
 
   spec = DiagnosticsSpec(rounds=tuple(checkpoints), top=top)
   index = np.asarray(checkpoints) - 1

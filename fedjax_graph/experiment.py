@@ -81,7 +81,7 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
              seeds: Sequence[int], rounds: int, last: int, out_dir: Optional[pathlib.Path] = None,
              raw_dir=None, cache_dir=None, chunk: int = 10, progress: bool = True,
              domain_graphs=None, nonfinite: str = "error", checkpoint_every: int = 1,
-             resume: bool = False, overwrite: bool = False) -> pathlib.Path:
+             resume: bool = False, overwrite: bool = False, verify: bool = True) -> pathlib.Path:
   """Runs FedAvg and FedAvg+FedIA at every (rho, beta) for every seed and writes the results.
 
   Args:
@@ -98,6 +98,7 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
     checkpoint_every: chunks between checkpoints of the whole simulation state.
     resume: continue the unfinished run in ``out_dir`` from its checkpoint.
     overwrite: replace a finished or unfinished run in ``out_dir``.
+    verify: check the raw files against the SNAP checksums.
 
   Returns:
     The output directory.
@@ -118,7 +119,7 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
   prepare_out_dir(out_dir, resume, overwrite)
   meta = {}
   if domain_graphs is None:
-    domain_graphs, meta = load_dataset(config.dataset, raw_dir, cache_dir)
+    domain_graphs, meta = load_dataset(config.dataset, raw_dir, cache_dir, verify)
   federation = build_federation(config, domain_graphs, seeds)
 
   setup = {"config": config.to_dict(), "rho": [float(r) for r in rhos],
@@ -177,7 +178,7 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
 
 
 def resume_grid(out_dir: pathlib.Path, raw_dir=None, cache_dir=None, progress: bool = True,
-                domain_graphs=None) -> pathlib.Path:
+                domain_graphs=None, verify: bool = True) -> pathlib.Path:
   """Continues the unfinished grid run in ``out_dir`` with the setup in its config.json.
 
   Raises:
@@ -192,4 +193,4 @@ def resume_grid(out_dir: pathlib.Path, raw_dir=None, cache_dir=None, progress: b
   return run_grid(config, record["rho"], record["beta"], record["seeds"], record["rounds"],
                   record["last"], out_dir=out_dir, raw_dir=raw_dir, cache_dir=cache_dir,
                   chunk=record["chunk"], progress=progress, domain_graphs=domain_graphs,
-                  nonfinite=record["nonfinite"], resume=True)
+                  nonfinite=record["nonfinite"], resume=True, verify=verify)
