@@ -1,4 +1,4 @@
-"""Dissection report: the update-field figures of Sec. 3.2 (Figs. 2-5, eqs. 2-4).
+"""Dissection report: the update-field figures of Sec. 3.2 (Figs. 2-5, eqs 2-4).
 
 Plots and tabulates the checkpoint diagnostics of
 ``diagnostics.round_diagnostics`` for several ``<backbone>/<aggregator>``
@@ -63,6 +63,14 @@ def _figure(width: float, height: float, rows: int = 1, cols: int = 1,
                            gridspec_kw={"top": 1.0 - head / height, **grid})
 
 
+def _save(fig: Figure, path: str, suptitle: str) -> None:
+  """Saves atomically with ``suptitle`` just above the top row's titles."""
+  # Anchored at the top edge and growing upwards, so no figure needs to
+  # reserve room for it; the tight bounding box then includes it.
+  fig.suptitle(suptitle, y=1.0, va="bottom", fontsize=10)
+  report._save_figure(fig, path)
+
+
 def _check(runs, num_k, client_domain, domains, num_l, factors) -> None:
   """Raises ValueError naming the first inconsistent input."""
   dg = _diagnostics()
@@ -77,7 +85,7 @@ def _check(runs, num_k, client_domain, domains, num_l, factors) -> None:
   for key, run in runs.items():
     if key.count("/") != 1:
       raise ValueError(f"run key {key!r} must be '<backbone>/<aggregator>'")
-    s = max(np.shape(run["jaccard"])[0], 1)
+    s = max(np.shape(run.get("jaccard"))[:1] + (1,))
     want = {"jaccard": (s, num_k, num_c, num_c),
             "cosine": (s, num_k, num_c, num_c),
             "cos_to_aggregate": (s, num_k, num_c),
@@ -86,9 +94,9 @@ def _check(runs, num_k, client_domain, domains, num_l, factors) -> None:
                                   dg.ACTIVE_SHARE_EDGES.size - 1),
             "dilution_hist": (s, num_k, num_l, dg.DILUTION_EDGES.size - 1)}
     for name, shape in want.items():
-      if np.shape(run[name]) != shape:
-        raise ValueError(f"{key}: {name} has shape {np.shape(run[name])}, "
-                         f"expected {shape}")
+      if np.shape(run.get(name)) != shape:  # A missing array has shape ().
+        raise ValueError(f"{key}: {name} has shape "
+                         f"{np.shape(run.get(name))}, expected {shape}")
 
 
 def _summaries(run, client_domain) -> dict[str, np.ndarray]:
@@ -146,18 +154,17 @@ def _plot_jaccard(path, key, jac, offdiag, checkpoints, order, sorted_domain,
   """Figure 2: seed-0 GSI matrix per checkpoint on one colour scale."""
   num_k = len(checkpoints)
   norm = Normalize(0.0, _offdiag_max(jac[0]))
-  fig, axes = _figure(3.3 * num_k + 1.5, 4.2, 1, num_k, wspace=0.5)
+  fig, axes = _figure(3.3 * num_k + 1.5, 3.4, 1, num_k, 0.45, wspace=0.45)
   for k, ax in enumerate(axes[0]):
     image = _matrix_panel(ax, jac[0, k], order, sorted_domain, domains,
                           "viridis", norm)
-    ax.set_title(f"round {checkpoints[k]}\nmean off-diag {offdiag[0, k]:.3f}",
-                 fontsize=9)
-  fig.colorbar(image, ax=list(axes[0]), shrink=0.8,
-               label="Jaccard overlap |S_i∩S_j| / |S_i∪S_j| (0–1)")
-  fig.suptitle(f"{title}: {key}, overlap of top-salient coordinate sets (GSI, "
-               "eq. 2), seed 0\nboxes = domain blocks, grey = self-pairs",
-               fontsize=10)
-  report._save_figure(fig, path)
+    ax.set_title(f"round {checkpoints[k]}\nmean off-diagonal "
+                 f"{offdiag[0, k]:.3f}", fontsize=9)
+    ax.set_anchor("N")  # Spare height goes to the bottom, which is cropped.
+  fig.colorbar(image, ax=list(axes[0]), shrink=0.8, panchor=False,
+               label="GSI = |S_i∩S_j| / |S_i∪S_j| (0–1)")
+  _save(fig, path, f"{title}: {key}, overlap of top-salient coordinate sets "
+        "(GSI, eq. 2), seed 0\nboxes = domain blocks, grey = self-pairs")
 
 
 def _band(ax, x, values, color, style, label=None) -> None:
@@ -172,7 +179,7 @@ def _band(ax, x, values, color, style, label=None) -> None:
 
 def _plot_overlap(path, summaries, checkpoints, reference, top, title) -> None:
   """Mean GSI vs round per run: all pairs left, within/cross-domain right."""
-  fig, ((left, right),) = _figure(11.0, 4.3, 1, 2, 0.75, True, wspace=0.05)
+  fig, ((left, right),) = _figure(11.0, 4.0, 1, 2, 0.35, True, wspace=0.05)
   for r, (key, s) in enumerate(summaries.items()):
     color = _COLORS[r % len(_COLORS)]
     _band(left, checkpoints, s["mean_offdiag"], color, "-",
@@ -188,16 +195,17 @@ def _plot_overlap(path, summaries, checkpoints, reference, top, title) -> None:
     ax.grid(alpha=0.3)
   left.legend(handles=left.get_legend_handles_labels()[0] + [ref], fontsize=8)
   right.legend(handles=[
-      Line2D([], [], color="black", linestyle="--", label="within-domain pairs"),
+      Line2D([], [], color="black", linestyle="--",
+             label="within-domain pairs"),
       Line2D([], [], color="black", linestyle=":", label="cross-domain pairs"),
       ref], fontsize=8)
+  left.set_ylim(bottom=0.0)
   left.set_ylabel("mean Jaccard overlap of top-p sets (0–1)")
   left.set_title("all client pairs i ≠ j (colour = run)", fontsize=9)
   right.set_title("within- vs cross-domain pairs (colours as left)",
                   fontsize=9)
-  fig.suptitle(f"{title}: salient-set overlap (GSI) over training, mean over "
-               "seeds (band: ±1 std when S ≥ 2)", fontsize=10)
-  report._save_figure(fig, path)
+  _save(fig, path, f"{title}: salient-set overlap (GSI) over training, mean "
+        "over seeds (band: ±1 std when S ≥ 2)")
 
 
 def _groups(keys) -> tuple[list[str], list[str]]:
@@ -222,20 +230,25 @@ def _plot_abs_cosine(path, runs, client_domain, last_round, title) -> None:
     body = ax.violinplot([vals], [pos], showextrema=False)["bodies"][0]
     body.set_facecolor(_COLORS[aggregators.index(a) % len(_COLORS)])
     body.set_alpha(0.6)
-    ax.scatter(np.full(vals.size, pos), vals, s=6, color="black", alpha=0.4)
+    if vals.size <= 100:  # Dots only while they stay distinguishable.
+      ax.scatter(np.full(vals.size, pos), vals, s=6, color="black",
+                 alpha=0.4)
     ax.plot([pos - 0.3, pos + 0.3], [vals.mean()] * 2, color="black")
-    ax.annotate(f"n={vals.size}", (pos, 1.0), ha="center", fontsize=7)
+    ax.annotate(f"n={vals.size}\nmean {vals.mean():.3f}", (pos, 1.02),
+                ha="center", fontsize=7)
   ax.set_xticks([i * (len(aggregators) + 1) + (len(aggregators) - 1) / 2
                  for i in range(len(backbones))], backbones)
   ax.set_xlabel("backbone")
-  ax.set_ylim(0.0, 1.06)
+  ax.set_ylim(0.0, 1.12)
+  ax.set_yticks(np.linspace(0.0, 1.0, 6))
   ax.set_ylabel("|cos θ| between client updates (0–1)")
   ax.legend(handles=[Patch(color=_COLORS[i % len(_COLORS)], alpha=0.6, label=a)
                      for i, a in enumerate(aggregators)]
-            + [Line2D([], [], color="black", label="mean")], fontsize=8)
+            + [Line2D([], [], color="black", label="mean")], fontsize=8,
+            title="aggregator", loc="upper left", bbox_to_anchor=(1.01, 1.0))
   ax.set_title(f"{title}: cross-domain alignment magnitude at round "
                f"{last_round}\n(n pairs i<j of different domains, pooled over "
-               "seeds; dots = pairs)", fontsize=10)
+               "seeds; dots = pairs when n ≤ 100)", fontsize=10)
   report._save_figure(fig, path)
 
 
@@ -244,12 +257,13 @@ def _plot_alignment(path, runs, summaries, order, sorted_domain, domains,
   """Figure 4: seed-0 signed cosine matrix and cos(u_k, ū) bars per run."""
   num_c = sorted_domain.size
   lim = max(_offdiag_max(r["cosine"][0, -1]) for r in runs.values())
-  fig, axes = _figure(11.0, 3.6 * len(runs) + 0.6, len(runs), 2, 0.6,
+  fig, axes = _figure(11.0, 3.6 * len(runs), len(runs), 2, 0.5,
                       width_ratios=[1.0, 1.6], hspace=0.6, wspace=0.3)
   for (key, run), (mat_ax, bar_ax) in zip(runs.items(), axes):
     image = _matrix_panel(mat_ax, run["cosine"][0, -1], order, sorted_domain,
                           domains, "RdBu_r", Normalize(-lim, lim))
-    mat_ax.set_title(f"{key}: signed cosine, seed 0", fontsize=9)
+    mat_ax.set_title(f"{key}\nsigned cosine of client updates, seed 0",
+                     fontsize=9)
     cta = np.asarray(run["cos_to_aggregate"], np.float64)[:, -1][:, order]
     bar_ax.bar(np.arange(num_c), cta.mean(axis=0),
                yerr=cta.std(axis=0) if cta.shape[0] >= 2 else None,
@@ -260,20 +274,21 @@ def _plot_alignment(path, runs, summaries, order, sorted_domain, domains,
     bar_ax.set_ylabel("cos(u_k, ū), ū = FedAvg aggregate")
     s = summaries[key]
     bar_ax.set_title(
-        f"{key}: negative cross-domain pairs "
-        f"{100 * s['frac_negative_cross_domain'][:, -1].mean():.1f}%, mean "
-        f"cos(u_k, ū) {s['mean_cos_to_aggregate'][:, -1].mean():.3f} "
-        f"(mean over S={cta.shape[0]} seeds)", fontsize=9)
-  fig.colorbar(image, ax=list(axes[:, 0]), shrink=0.8,
-               label="signed cosine between client updates (−1 to 1)")
+        f"{key} (means over S={cta.shape[0]} seeds)\nnegative cross-domain "
+        f"pairs {100 * s['frac_negative_cross_domain'][:, -1].mean():.1f}%, "
+        f"mean cos(u_k, ū) {s['mean_cos_to_aggregate'][:, -1].mean():.3f}",
+        fontsize=9)
+  # On the left: the gap towards the bar panels holds their y labels.
+  fig.colorbar(image, ax=list(axes[:, 0]), location="left", pad=0.25,
+               shrink=0.8, label="signed cosine between client updates "
+               "(−1 to 1)")
   axes[0, 1].legend(handles=[Patch(color=_COLORS[d % len(_COLORS)],
                                    label=domains[d])
                              for d in np.unique(sorted_domain)],
-                    fontsize=7, title="domain", title_fontsize=7, ncol=2)
-  fig.suptitle(f"{title}: directional alignment at round {last_round} "
-               "(boxes = domain blocks; error bars = ±1 std over seeds)",
-               fontsize=10)
-  report._save_figure(fig, path)
+                    fontsize=7, title="domain", title_fontsize=7,
+                    loc="upper left", bbox_to_anchor=(1.01, 1.0))
+  _save(fig, path, f"{title}: directional alignment at round {last_round} "
+        "(boxes = domain blocks; error bars = ±1 std over seeds)")
 
 
 def _plot_factors(path, assoc, title) -> None:
@@ -281,8 +296,8 @@ def _plot_factors(path, assoc, title) -> None:
   backbones, aggregators = _groups(assoc)
   factors = list(next(iter(assoc.values())))
   width = 0.8 / len(backbones)
-  fig, axes = _figure(4.2 * len(aggregators) + 0.8, 4.2, 1, len(aggregators),
-                      0.9, True, wspace=0.05)
+  fig, axes = _figure(4.2 * len(aggregators) + 0.8, 3.8, 1, len(aggregators),
+                      0.35, True, wspace=0.05)
   for ax, a in zip(axes[0], aggregators):
     for i, b in enumerate(backbones):
       rho = np.array([assoc.get(f"{b}/{a}", {}).get(f, np.nan)
@@ -302,18 +317,17 @@ def _plot_factors(path, assoc, title) -> None:
     ax.grid(axis="y", alpha=0.3)
   axes[0, 0].set_ylabel("Spearman ρ with retention (−1 to 1)")
   axes[0, 0].legend(title="backbone", fontsize=8, title_fontsize=8)
-  fig.suptitle(f"{title}: domain factors vs salient-set retention after "
-               "aggregation\nper client: mean discrepancy of its domain to the "
-               "other domains vs retention (mean over checkpoints and seeds); "
-               "n/a = constant input", fontsize=10)
-  report._save_figure(fig, path)
+  _save(fig, path, f"{title}: domain factors vs salient-set retention after "
+        "aggregation\none point per client: its domain's mean discrepancy to "
+        "the other domains vs its retention\n(mean over checkpoints and "
+        "seeds); n/a: ρ undefined, one side constant (e.g. only 2 domains)")
 
 
 def _plot_dilution(path, hists, leaf_names, last_round, title) -> None:
   """Eqs. 3-4: per-leaf r_d and dilution-ratio histograms as % of the leaf."""
   dg = _diagnostics()
-  fig, axes = _figure(11.0, 3.4 * len(hists) + 0.6, len(hists), 2, 0.5,
-                      hspace=0.65, wspace=0.25)
+  fig, axes = _figure(11.0, 3.4 * len(hists), len(hists), 2, 0.5,
+                      hspace=0.7, wspace=0.35)
   for (key, (active, ratio)), (ax_r, ax_d) in zip(hists.items(), axes):
     for ax, counts, edges in ((ax_r, active, dg.ACTIVE_SHARE_EDGES),
                               (ax_d, ratio, dg.DILUTION_EDGES)):
@@ -323,17 +337,19 @@ def _plot_dilution(path, hists, leaf_names, last_round, title) -> None:
       ax.set_xticks(edges, [f"{e:g}" for e in edges], fontsize=7, rotation=45)
       ax.set_ylabel("% of the leaf's counted coordinates")
       ax.grid(alpha=0.3)
-    ax_r.set_xlabel("active share r_d (eq. 3): weight of clients with d salient")
+    ax_r.set_xlabel("active share r_d (eq. 3): weight of clients with d "
+                    "salient")
     ax_d.set_xlabel("dilution ratio ū_d / μ_act,d (eq. 4; end bins open)")
-    ax_r.set_title(f"{key}: active share r_d", fontsize=9)
+    ax_r.set_title(f"{key}\nactive share r_d per coordinate", fontsize=9)
     # active counts every coordinate, so the difference is the excluded ones.
-    ax_d.set_title(f"{key}: dilution ratio; excluded (no active client, "
-                   f"μ_act = 0): {active.sum() - ratio.sum():.0f} of "
+    ax_d.set_title(f"{key}\ndilution ratio; no active client (μ_act = 0), "
+                   f"excluded: {active.sum() - ratio.sum():.0f} of "
                    f"{active.sum():.0f}", fontsize=9)
-    ax_r.legend(title="leaf", fontsize=7, title_fontsize=7)
-  fig.suptitle(f"{title}: signal dilution at round {last_round}, coordinate "
-               "counts summed over seeds", fontsize=10)
-  report._save_figure(fig, path)
+  # Same leaves in every row: one legend, outside, hides no bin.
+  axes[0, 1].legend(title="parameter leaf", fontsize=8, title_fontsize=8,
+                    loc="upper left", bbox_to_anchor=(1.01, 1.0))
+  _save(fig, path, f"{title}: signal dilution at round {last_round}, "
+        "coordinate counts summed over seeds")
 
 
 def _run_rows(key, run, s, checkpoints, client_domain, domains, leaf_names,
@@ -458,7 +474,8 @@ def write_dissection(out_dir: str | os.PathLike,
                   domains, last, title)
   _plot_factors(out("factor_association.png"), assoc, title)
   _plot_dilution(out("dilution.png"), {
-      k: (r["active_share_hist"][:, -1].sum(0), r["dilution_hist"][:, -1].sum(0))
+      k: (r["active_share_hist"][:, -1].sum(0),
+          r["dilution_hist"][:, -1].sum(0))
       for k, r in runs.items()}, leaf_names, last, title)
   tables["factor_association"] = [
       {"backbone": k.split("/")[0], "aggregator": k.split("/")[1],

@@ -152,10 +152,10 @@ def test_files_headers_and_hand_values(tmp_path, num_seeds):
 
 def test_single_checkpoint_many_clients(tmp_path):
   # Twitch-S3-like: K=1, C=30 clients in 6 domains (DE replicated), a single
-  # run (1 backbone x 1 aggregator), S=3. Every client of domain d gets retention d
-  # and the label factor is d's mean distance to the others, increasing in d,
-  # so the ranks agree exactly: rho = 1 (and -1 for the negated factor). The
-  # zero homophily factor is constant: rho = NaN.
+  # run (1 backbone x 1 aggregator), S=3. Every client of domain d has
+  # retention d, and d's mean label discrepancy to the others, (3d + 15) / 5,
+  # also grows with d, so the ranks agree exactly: rho = 1 (-1 for the
+  # negated factor). The all-zero homophily factor is constant: rho = NaN.
   rng = np.random.default_rng(1)
   domain = np.repeat(np.arange(6), [10, 4, 4, 4, 4, 4])
   sym = lambda m: (m + np.swapaxes(m, -1, -2)) / 2
