@@ -150,8 +150,13 @@ class Aggregator(NamedTuple):
 # ----------------------------------------------------------------------------
 
 
-def _num_clients(client_updates: ClientUpdates) -> int:
-  """Returns C, checking that every leaf has the same leading axis."""
+def num_clients_of(client_updates: ClientUpdates) -> int:
+  """C of stacked client updates, checking that every leaf has the same leading axis.
+
+  Raises:
+    ValueError: naming the leaves, if there are none, one is a scalar, or
+      they disagree on C.
+  """
   leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(client_updates)
   if not leaves_with_path:
     raise ValueError("client_updates has no array leaves.")
@@ -310,7 +315,7 @@ def fedavg(
     McMahan et al., "Communication-Efficient Learning of Deep Networks from
     Decentralized Data", AISTATS 2017.
   """
-  num_clients = _num_clients(client_updates)
+  num_clients = num_clients_of(client_updates)
   part = _participation(participating, num_clients)
   weights = _client_vector("weights", weights, num_clients)
   return _fedavg_core(client_updates, weights, part)
@@ -392,7 +397,7 @@ def importance_mask(
       is not [C], ``rho`` is not a scalar, or ``rho`` is a Python/NumPy
       number outside (0, 1].
   """
-  num_clients = _num_clients(client_updates)
+  num_clients = num_clients_of(client_updates)
   _check_rho(rho)
   part = _participation(participating, num_clients)
   return _importance_mask_core(client_updates, _as_float(rho), part)
@@ -437,7 +442,7 @@ def contribution_scores(
     ValueError: if leaves disagree on the leading axis C or
       ``participating`` is not [C].
   """
-  num_clients = _num_clients(client_updates)
+  num_clients = num_clients_of(client_updates)
   part = _participation(participating, num_clients)
   return _scores_core(client_updates, mask, part)
 
@@ -521,7 +526,7 @@ def contribution_weights(
       ``participating`` is not [C], ``beta`` is not a scalar, or ``beta`` is
       a Python/NumPy number outside [0, 1].
   """
-  num_clients = _num_clients(client_updates)
+  num_clients = num_clients_of(client_updates)
   _check_beta(beta)
   part = _participation(participating, num_clients)
   alpha_prev = _client_vector("alpha_prev", alpha_prev, num_clients)
@@ -566,7 +571,7 @@ def _aggregate(
     use_momentum: bool,
 ) -> tuple[Updates, jax.Array | None, FedIADiagnostics]:
   """One round of FedIA (or an ablation): static checks, then the core."""
-  num_clients = _num_clients(client_updates)
+  num_clients = num_clients_of(client_updates)
   part = _participation(participating, num_clients)
   if use_mask:
     _check_rho(rho)
@@ -730,7 +735,7 @@ def fedia(use_mask: bool = True, use_momentum: bool = True) -> Aggregator:
       base_weights: Any = None,
       participating: Any = None,
   ) -> tuple[Updates, FedIAState, FedIADiagnostics]:
-    num_clients = _num_clients(client_updates)
+    num_clients = num_clients_of(client_updates)
     alpha_prev = _client_vector("state.alpha", state.alpha, num_clients)
     aggregate, alpha, diagnostics = _aggregate(
         client_updates,

@@ -73,6 +73,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_graph.aggregators import num_clients_of
+
 # scipy.stats, scipy.spatial and networkx are imported inside the host-side
 # functions: the jitted simulation imports this module and never needs them.
 
@@ -94,28 +96,6 @@ _EDGE_TOLERANCE = 1e-4
 # Static (trace-time) checks.
 # ----------------------------------------------------------------------------
 
-
-def _num_clients(client_updates: ClientUpdates) -> int:
-  """Returns C, checking that every leaf has the same leading axis."""
-  leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(client_updates)
-  if not leaves_with_path:
-    raise ValueError("client_updates has no array leaves.")
-  sizes = {}
-  for path, leaf in leaves_with_path:
-    name = jax.tree_util.keystr(path) or "<root>"
-    shape = jnp.shape(leaf)
-    if len(shape) == 0:
-      raise ValueError(
-          f"client_updates leaf {name} is a scalar; every leaf needs a "
-          "leading client axis [C, ...]."
-      )
-    sizes[name] = shape[0]
-  if len(set(sizes.values())) != 1:
-    raise ValueError(
-        "client_updates leaves disagree on the leading (client) axis: "
-        f"{sizes}."
-    )
-  return next(iter(sizes.values()))
 
 
 def _check_top(top: Any) -> float:
@@ -172,7 +152,7 @@ def leaf_sizes(client_updates: ClientUpdates) -> tuple[int, ...]:
     A static tuple of L Python ints; they sum to P and split the columns of
     :func:`flatten_clients` leaf by leaf.
   """
-  _num_clients(client_updates)
+  num_clients_of(client_updates)
   return tuple(
       int(math.prod(jnp.shape(leaf)[1:]))
       for leaf in jax.tree.leaves(client_updates)
@@ -192,7 +172,7 @@ def flatten_clients(client_updates: ClientUpdates) -> jax.Array:
   Raises:
     ValueError: if there are no leaves or they disagree on C.
   """
-  num_clients = _num_clients(client_updates)
+  num_clients = num_clients_of(client_updates)
   return jnp.concatenate(
       [
           jnp.reshape(leaf, (num_clients, -1)).astype(jnp.float32)
@@ -622,7 +602,7 @@ def round_diagnostics(client_updates: ClientUpdates, weights: jax.Array,
     ValueError / TypeError: on inconsistent shapes or a non-static or
       out-of-range ``top``.
   """
-  weights = _check_vector("weights", weights, _num_clients(client_updates))
+  weights = _check_vector("weights", weights, num_clients_of(client_updates))
   return _round_core(client_updates, weights, _check_top(top))
 
 

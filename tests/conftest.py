@@ -21,6 +21,27 @@ def fake_domain(num_nodes: int, num_edges: int, num_classes: int, features: int,
               edge_index=edges.astype(np.int32))
 
 
+def random_graph(n: int, num_edges: int, seed: int) -> np.ndarray:
+  """int[2, 2 * num_edges]: a random simple undirected graph, both directions."""
+  rng = np.random.default_rng(seed)
+  pairs = set()
+  while len(pairs) < num_edges:
+    a, b = rng.integers(0, n, 2)
+    if a != b:
+      pairs.add((min(a, b), max(a, b)))
+  pairs = np.array(sorted(pairs)).T
+  return np.concatenate([pairs, pairs[::-1]], axis=1)
+
+
+def dense_norm_adj(edge_index: np.ndarray, n: int) -> np.ndarray:
+  """Reference D^-1/2 (A+I) D^-1/2 in float64, built independently of the library."""
+  a = np.eye(n)
+  for s, r in edge_index.T:
+    a[r, s] += 1.0
+  d = a.sum(axis=1)
+  return a / np.sqrt(d)[:, None] / np.sqrt(d)[None, :]
+
+
 @pytest.fixture(scope="session")
 def tiny_wikinet() -> dict:
   """Three small random graphs named like the WikiNet domains (5 classes, 8 features)."""

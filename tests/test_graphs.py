@@ -7,6 +7,7 @@ import pytest
 
 from fedjax_graph import graphs
 from fedjax_graph.types import Shard
+from conftest import dense_norm_adj, random_graph
 
 # A 3-node path 0 - 1 - 2 plus an isolated node 3, both directions of each edge.
 PATH_EDGES = np.array([[0, 1, 1, 2], [1, 0, 2, 1]])
@@ -20,14 +21,6 @@ PATH_DENSE = np.array([
     [0, 0, 0, 1],
 ])
 
-
-def _dense_norm_adj(edge_index, n):
-  """Reference D^-1/2 (A+I) D^-1/2 in float64, built independently of the library."""
-  a = np.eye(n)
-  for s, r in edge_index.T:
-    a[r, s] += 1.0
-  d = a.sum(axis=1)
-  return a / np.sqrt(d)[:, None] / np.sqrt(d)[None, :]
 
 
 def _masks(n, num_train, num_val):
@@ -44,17 +37,6 @@ def _pad_path(n_node=16, n_edge=10, num_domains=3, domain=1, seed=0):
                            num_domains, n_node, n_edge)
   return x, y, shard
 
-
-def _random_graph(n, num_edges, seed):
-  """A random undirected graph without self-loops or duplicates, both directions."""
-  rng = np.random.default_rng(seed)
-  pairs = set()
-  while len(pairs) < num_edges:
-    a, b = rng.integers(0, n, 2)
-    if a != b:
-      pairs.add((min(a, b), max(a, b)))
-  pairs = np.array(sorted(pairs)).T
-  return np.concatenate([pairs, pairs[::-1]], axis=1)
 
 
 class TestGcnWeights:
@@ -73,9 +55,9 @@ class TestGcnWeights:
     np.testing.assert_array_equal(self_weight, [1.0, 1.0, 1.0])
 
   def test_matches_dense_normalisation(self):
-    ei = _random_graph(12, 20, seed=1)
+    ei = random_graph(12, 20, seed=1)
     edge_weight, self_weight = graphs.gcn_weights(ei, 12)
-    dense = _dense_norm_adj(ei, 12)
+    dense = dense_norm_adj(ei, 12)
     np.testing.assert_allclose(self_weight, np.diag(dense), rtol=1e-6)
     np.testing.assert_allclose(edge_weight, dense[ei[1], ei[0]], rtol=1e-6)
 
@@ -89,14 +71,14 @@ class TestPropagate:
     np.testing.assert_allclose(out[:PATH_N], PATH_DENSE @ h[:PATH_N], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(out[PATH_N:], 0.0)
 
-  def test_shard_on_random_graph(self):
+  def test_shard_onrandom_graph(self):
     n = 13
-    ei = _random_graph(n, 25, seed=2)
+    ei = random_graph(n, 25, seed=2)
     x = np.random.default_rng(4).standard_normal((n, 3)).astype(np.float32)
     shard = graphs.pad_graph(x, np.zeros(n), ei, _masks(n, 5, 3), np.zeros(n), 1, 24, 64)
     h = np.random.default_rng(5).standard_normal((24, 4)).astype(np.float32)
     out = np.asarray(graphs.propagate(jnp.asarray(h), shard))
-    np.testing.assert_allclose(out[:n], _dense_norm_adj(ei, n) @ h[:n], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[:n], dense_norm_adj(ei, n) @ h[:n], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(out[n:], 0.0)
 
   def test_csr_graph_path_equals_shard_path(self):
@@ -131,13 +113,13 @@ class TestPropagate:
 
   def test_csr_vmap_over_h_equals_loop(self):
     n_rows = 16
-    ei = _random_graph(11, 18, seed=7)
+    ei = random_graph(11, 18, seed=7)
     csr = graphs.csr_graph(ei, 11, n_rows)
     hs = jnp.asarray(np.random.default_rng(8).standard_normal((3, n_rows, 5)).astype(np.float32))
     batched = np.asarray(jax.vmap(graphs.propagate, in_axes=(0, None))(hs, csr))
     loop = np.stack([np.asarray(graphs.propagate(h, csr)) for h in hs])
     np.testing.assert_allclose(batched, loop, rtol=1e-6, atol=1e-7)
-    dense = _dense_norm_adj(ei, 11)
+    dense = dense_norm_adj(ei, 11)
     for b in range(3):
       np.testing.assert_allclose(batched[b, :11], dense @ np.asarray(hs[b, :11]), rtol=1e-5,
                                  atol=1e-6)

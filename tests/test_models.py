@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fedjax_graph import graphs, models
+from conftest import dense_norm_adj
 
 N = 9          # real nodes; node 8 is isolated
 F = 6          # features
@@ -33,13 +34,6 @@ def _padded_x(x, n_node, seed=1):
   pad = np.random.default_rng(seed).standard_normal((n_node - x.shape[0], F)).astype(np.float32)
   return np.concatenate([x, 100 * pad])
 
-
-def _dense_norm_adj(edge_index, n):
-  a = np.eye(n)
-  for s, r in edge_index.T:
-    a[r, s] += 1.0
-  d = a.sum(axis=1)
-  return a / np.sqrt(d)[:, None] / np.sqrt(d)[None, :]
 
 
 def _init(model, x, graph):
@@ -237,7 +231,7 @@ class TestGraphLinear:
     bias = np.arange(features, dtype=np.float32) / 10
     params = {"params": {"kernel": jnp.asarray(kernel), "bias": jnp.asarray(bias)}}
     out = np.asarray(layer.apply(params, jnp.asarray(shard.x), shard))
-    expected = _dense_norm_adj(EDGES, N) @ (x.astype(np.float64) @ kernel) + bias
+    expected = dense_norm_adj(EDGES, N) @ (x.astype(np.float64) @ kernel) + bias
     np.testing.assert_allclose(out[:N], expected, rtol=1e-5, atol=1e-5)
     # Padding rows: propagation gives 0, then the bias.
     np.testing.assert_allclose(out[N:], np.broadcast_to(bias, (16 - N, features)), atol=1e-6)

@@ -6,22 +6,12 @@ import pytest
 
 from fedjax_graph import data, graphs, partition
 from fedjax_graph.config import load_preset
+from conftest import random_graph
 
 # A hand-made graph on 6 nodes: 0-1, 1-2, 2-3, 3-4, 0-5 (both directions).
 _UNDIRECTED = np.array([[0, 1], [1, 2], [2, 3], [3, 4], [0, 5]]).T
 SMALL_EDGES = np.concatenate([_UNDIRECTED, _UNDIRECTED[::-1]], axis=1)
 
-
-def _random_graph(n, num_edges, seed):
-  """A random undirected graph without self-loops or duplicates, both directions."""
-  rng = np.random.default_rng(seed)
-  pairs = set()
-  while len(pairs) < num_edges:
-    a, b = rng.integers(0, n, 2)
-    if a != b:
-      pairs.add((min(a, b), max(a, b)))
-  pairs = np.array(sorted(pairs)).T
-  return np.concatenate([pairs, pairs[::-1]], axis=1)
 
 
 def _reference_induced(edge_index, nodes):
@@ -89,8 +79,8 @@ class TestInducedSubgraph:
     local = partition.induced_subgraph(SMALL_EDGES, nodes, 6)
     np.testing.assert_array_equal(local, 5 - SMALL_EDGES)
 
-  def test_matches_reference_on_random_graph(self):
-    ei = _random_graph(30, 60, seed=0)
+  def test_matches_reference_onrandom_graph(self):
+    ei = random_graph(30, 60, seed=0)
     nodes = np.random.default_rng(1).permutation(30)[:13]
     local = partition.induced_subgraph(ei, nodes, 30)
     assert [tuple(e) for e in local.T.tolist()] == _reference_induced(ei, nodes)
@@ -98,7 +88,7 @@ class TestInducedSubgraph:
 
 class TestPartitionDomain:
   N = 53
-  EDGES = _random_graph(53, 120, seed=2)
+  EDGES = random_graph(53, 120, seed=2)
   FRACTIONS = (0.6, 0.1, 0.3)
 
   def _parts(self, num_clients=4, seed=0, domain_index=0, fractions=FRACTIONS):
@@ -189,7 +179,7 @@ def _fake_domains(sizes=DOMAIN_SIZES, num_classes=5):
     y = rng.integers(0, num_classes, n).astype(np.int64)
     if n > 1:
       y[0] = num_classes - 1
-      ei = _random_graph(n, min(2 * n, n * (n - 1) // 2), seed=200 + i)
+      ei = random_graph(n, min(2 * n, n * (n - 1) // 2), seed=200 + i)
     else:
       ei = np.zeros((2, 0), np.int64)
     out[name] = dict(x=x, y=y, edge_index=ei)
