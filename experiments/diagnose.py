@@ -52,8 +52,10 @@ def main(argv=None):
                             cache_dir=args.cache_dir, chunk=args.chunk,
                             progress=not args.no_progress, overwrite=args.overwrite,
                             verify=not args.no_verify)
-  except (ValueError, FileNotFoundError) as err:
+  except ValueError as err:
     parser.error(str(err))
+  except OSError as err:  # Missing files, no network, bad paths.
+    sys.exit(f"error: {err}")
   print(json.dumps(headline, indent=2, default=float))
 
 

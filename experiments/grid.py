@@ -30,26 +30,31 @@ def main(argv=None):
                       help="FedIA mask ratios, comma list in (0, 1] (default: %(default)s)")
   parser.add_argument("--beta", type=cli.float_list, default="0.1,0.3,0.5,0.7,0.9",
                       help="FedIA momentum factors, comma list in [0, 1] (default: %(default)s)")
-  parser.add_argument("--last", type=int, default=20,
-                      help="final rounds averaged in summary.csv (default: %(default)s)")
+  parser.add_argument("--last", type=int, default=None,
+                      help="final rounds averaged in summary.csv (default: 20, or all rounds "
+                           "when fewer)")
   parser.add_argument("--out", type=pathlib.Path, default=None,
                       help="output folder (default: results/<dataset>-<setting>-<timestamp>)")
   args = parser.parse_args(argv)
   try:
     if args.resume:
       resume_grid(args.resume, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
-                  progress=not args.no_progress, verify=not args.no_verify)
+                  progress=not args.no_progress, verify=not args.no_verify,
+                  nonfinite=args.nonfinite)
       return
     config = cli.config_from_args(parser, args)
-    run_grid(config, args.rho, args.beta, args.seeds, args.rounds, args.last, out_dir=args.out,
+    last = min(20, args.rounds) if args.last is None else args.last
+    run_grid(config, args.rho, args.beta, args.seeds, args.rounds, last, out_dir=args.out,
              raw_dir=args.raw_dir, cache_dir=args.cache_dir, chunk=args.chunk,
-             progress=not args.no_progress, nonfinite=args.nonfinite,
+             progress=not args.no_progress, nonfinite=args.nonfinite or "error",
              checkpoint_every=args.checkpoint_every, overwrite=args.overwrite,
              verify=not args.no_verify)
-  except (ValueError, FileNotFoundError) as err:
+  except ValueError as err:
     parser.error(str(err))
-  except NonFiniteUpdateError as err:
+  except (OSError, NonFiniteUpdateError) as err:  # Missing files, no network, bad paths.
     sys.exit(f"error: {err}")
+  except KeyboardInterrupt:
+    sys.exit("interrupted; the run's last checkpoint is kept: continue it with --resume DIR")
 
 
 if __name__ == "__main__":

@@ -55,16 +55,17 @@ def add_sweep_flags(parser: argparse.ArgumentParser) -> None:
   """Backbone, non-finite policy, checkpoints and resume, for long sweeps."""
   parser.add_argument("--backbone", default=None, choices=sorted(BACKBONES),
                       help="model (default: the preset's, pmlp_gcn)")
-  parser.add_argument("--nonfinite", choices=["error", "skip"], default="error",
+  parser.add_argument("--nonfinite", choices=["error", "skip"], default=None,
                       help="a client update with NaN/Inf is always kept out of the global model; "
-                           "error: stop and name it, skip: go on and count it (default: "
-                           "%(default)s)")
+                           "error: stop and name it, skip: go on and count it (default: error; "
+                           "with --resume, the run's own)")
   parser.add_argument("--checkpoint-every", type=int, default=1,
                       help="chunks between checkpoints of the whole simulation state "
                            "(default: %(default)s)")
   parser.add_argument("--resume", type=pathlib.Path, default=None, metavar="DIR",
                       help="continue the interrupted run in DIR with its own config.json "
-                           "(other flags but --raw-dir, --cache-dir, --no-progress are ignored)")
+                           "(only --raw-dir, --cache-dir, --no-progress, --no-verify and "
+                           "--nonfinite apply; other flags are ignored)")
 
 
 def config_from_args(parser: argparse.ArgumentParser, args) -> Config:

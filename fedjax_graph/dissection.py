@@ -20,10 +20,11 @@ import numpy as np
 from fedjax_graph import diagnostics, dissection_report, report
 from fedjax_graph.config import load_preset
 from fedjax_graph.data import build_federation, load_dataset
-from fedjax_graph.experiment import default_out_dir, prepare_out_dir, provenance
+from fedjax_graph.experiment import (check_run_args, default_out_dir, prepare_out_dir,
+                                     provenance)
 from fedjax_graph.models import BACKBONES, make_model
-from fedjax_graph.simulation import Cells, DiagnosticsSpec
-from fedjax_graph.sweep import run_sweep
+from fedjax_graph.simulation import DiagnosticsSpec
+from fedjax_graph.sweep import make_cells, run_sweep
 
 AGGREGATORS = ("fedavg", "fedia")
 
@@ -62,8 +63,6 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
   Raises:
     ValueError: naming any bad value.
   """
-  if rounds < 1:
-    raise ValueError(f"rounds = {rounds}; must be >= 1")
   checkpoints = sorted(set(int(c) for c in checkpoints))
   if not checkpoints or checkpoints[0] < 1 or checkpoints[-1] > rounds:
     raise ValueError(f"checkpoints = {checkpoints}; need at least one, each in [1, {rounds}]")
@@ -75,15 +74,10 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
   unknown = [a for a in aggregators if a not in AGGREGATORS]
   if unknown or not aggregators or len(set(aggregators)) != len(aggregators):
     raise ValueError(f"aggregators = {list(aggregators)}; choose from {list(AGGREGATORS)}")
-  if not seeds or len(set(seeds)) != len(seeds):
-    raise ValueError(f"seeds = {list(seeds)}; give at least one, without repeats")
+  check_run_args(rounds, 1, seeds, chunk)
   configs = {b: load_preset(dataset, setting, backbone=b) for b in backbones}
   first = configs[backbones[0]]
-  cells = Cells(rho=np.array([rho if a == "fedia" else 1.0 for a in aggregators], np.float32),
-                beta=np.array([beta if a == "fedia" else 1.0 for a in aggregators], np.float32),
-                fedia=np.array([a == "fedia" for a in aggregators]))
-  if cells.fedia.any() and not (0 < rho <= 1 and 0 <= beta <= 1):
-    raise ValueError(f"rho = {rho}, beta = {beta}; need rho in (0, 1] and beta in [0, 1]")
+  cells = make_cells([(a == "fedia", rho, beta) for a in aggregators])
   out_dir = pathlib.Path(out_dir) if out_dir else pathlib.Path(
       str(default_out_dir(first)).replace(first.setting, f"{first.setting}-diagnose", 1))
   prepare_out_dir(out_dir, resume=False, overwrite=overwrite)

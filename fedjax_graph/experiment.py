@@ -21,7 +21,7 @@ from fedjax_graph import report
 from fedjax_graph.checkpoint import fingerprint
 from fedjax_graph.config import Config
 from fedjax_graph.data import build_federation, load_dataset
-from fedjax_graph.sweep import grid_cells, run_sweep
+from fedjax_graph.sweep import NONFINITE_POLICIES, grid_cells, run_sweep
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "jraph", "numpy", "scipy")
 
@@ -66,7 +66,7 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool) -> Non
   elif resume:
     if finished:
       raise ValueError(f"{out_dir} holds a finished run; nothing to resume "
-                       "(pass --overwrite to run it again)")
+                       "(to run it again, start it anew with --out and --overwrite)")
     if not unfinished:
       raise ValueError(f"{out_dir} holds no run to resume")
   elif finished:
@@ -75,6 +75,33 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool) -> Non
     raise ValueError(f"{out_dir} holds an unfinished run; continue it with --resume {out_dir} "
                      "or pass --overwrite to start again")
   out_dir.mkdir(parents=True, exist_ok=True)
+
+
+MAX_SEED = 2**31 - 1
+
+
+def check_run_args(rounds: int, last: int, seeds: Sequence[int], chunk: int = 1,
+                   checkpoint_every: int = 1, nonfinite: str = "error") -> None:
+  """Checks a run's settings before anything is written.
+
+  Raises:
+    ValueError: naming the first bad value and what is allowed.
+  """
+  if rounds < 1:
+    raise ValueError(f"rounds = {rounds}; must be >= 1")
+  if not 1 <= last <= rounds:
+    raise ValueError(f"last = {last}; must be in [1, rounds = {rounds}]")
+  if not seeds or len(set(seeds)) != len(seeds):
+    raise ValueError(f"seeds = {list(seeds)}; give at least one, without repeats")
+  bad = [s for s in seeds if not 0 <= s <= MAX_SEED]
+  if bad:
+    raise ValueError(f"seeds = {list(seeds)}; each must be in [0, {MAX_SEED}]")
+  if chunk < 1:
+    raise ValueError(f"chunk = {chunk}; must be >= 1")
+  if checkpoint_every < 1:
+    raise ValueError(f"checkpoint_every = {checkpoint_every}; must be >= 1")
+  if nonfinite not in NONFINITE_POLICIES:
+    raise ValueError(f"nonfinite = {nonfinite!r}; choose one of {NONFINITE_POLICIES}")
 
 
 def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
@@ -108,12 +135,7 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
       output folder that holds a run and no ``resume``/``overwrite``.
     sweep.NonFiniteUpdateError: under ``nonfinite="error"``.
   """
-  if rounds < 1:
-    raise ValueError(f"rounds = {rounds}; must be >= 1")
-  if not 1 <= last <= rounds:
-    raise ValueError(f"last = {last}; must be in [1, rounds = {rounds}]")
-  if not seeds or len(set(seeds)) != len(seeds):
-    raise ValueError(f"seeds = {list(seeds)}; give at least one, without repeats")
+  check_run_args(rounds, last, seeds, chunk, checkpoint_every, nonfinite)
   cells = grid_cells(rhos, betas)
   out_dir = pathlib.Path(out_dir) if out_dir else default_out_dir(config)
   prepare_out_dir(out_dir, resume, overwrite)
@@ -126,6 +148,7 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
            "beta": [float(b) for b in betas], "seeds": [int(s) for s in seeds],
            "rounds": rounds, "chunk": chunk}
   record = {**setup, "last": last, "nonfinite": nonfinite, "status": "running",
+            "raw_dir": raw_dir and str(raw_dir), "cache_dir": cache_dir and str(cache_dir),
             "num_clients": federation.num_clients,
             "buckets": [len(b) for b in federation.bucket_clients],
             "data": {"source_sha256": meta.get("source_sha256"),
@@ -178,8 +201,16 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
 
 
 def resume_grid(out_dir: pathlib.Path, raw_dir=None, cache_dir=None, progress: bool = True,
-                domain_graphs=None, verify: bool = True) -> pathlib.Path:
+                domain_graphs=None, verify: bool = True,
+                nonfinite: Optional[str] = None) -> pathlib.Path:
   """Continues the unfinished grid run in ``out_dir`` with the setup in its config.json.
+
+  Args:
+    out_dir: the run's folder.
+    raw_dir, cache_dir: data locations; None: those the run was started with.
+    progress, domain_graphs, verify: as for ``run_grid``.
+    nonfinite: a new non-finite policy (it does not change the trajectory,
+      e.g. ``skip`` to get past a run stopped by ``error``); None keeps the run's.
 
   Raises:
     ValueError: if ``out_dir`` holds no unfinished run.
@@ -191,6 +222,7 @@ def resume_grid(out_dir: pathlib.Path, raw_dir=None, cache_dir=None, progress: b
     raise ValueError(f"{out_dir} holds no config.json: not a grid run to resume")
   config = Config(**record["config"])
   return run_grid(config, record["rho"], record["beta"], record["seeds"], record["rounds"],
-                  record["last"], out_dir=out_dir, raw_dir=raw_dir, cache_dir=cache_dir,
-                  chunk=record["chunk"], progress=progress, domain_graphs=domain_graphs,
-                  nonfinite=record["nonfinite"], resume=True, verify=verify)
+                  record["last"], out_dir=out_dir, raw_dir=raw_dir or record.get("raw_dir"),
+                  cache_dir=cache_dir or record.get("cache_dir"), chunk=record["chunk"],
+                  progress=progress, domain_graphs=domain_graphs,
+                  nonfinite=nonfinite or record["nonfinite"], resume=True, verify=verify)

@@ -16,6 +16,7 @@ One round (FedIA paper, Algorithm 1, with full participation):
   4. the new global model is evaluated on every domain's full graph.
 """
 
+import hashlib
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -38,10 +39,24 @@ class Cells(NamedTuple):
     rho: f32[G'] FedIA mask ratio in (0, 1] (ignored where ``fedia`` is False).
     beta: f32[G'] FedIA momentum in [0, 1] (ignored where ``fedia`` is False).
     fedia: bool[G'] True: FedIA aggregation; False: FedAvg.
+    stream: i32[G'] the cell's random stream, ``cell_stream(...)`` of its
+      settings: a cell draws the same numbers in any grid, at any position.
   """
   rho: Array
   beta: Array
   fedia: Array
+  stream: Array
+
+
+def cell_stream(fedia: bool, rho: float, beta: float) -> int:
+  """A 31-bit id of a cell's settings, folded into the seed's key (host).
+
+  Deriving keys from what a cell *is*, not where it sits in a batch, keeps a
+  cell's result independent of the rest of the grid, while distinct cells
+  (and seeds) still never share a key.
+  """
+  text = f"fedia:{rho:.9g}:{beta:.9g}" if fedia else "fedavg"
+  return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") >> 1
 
 
 class SimState(NamedTuple):
@@ -227,8 +242,8 @@ def make_simulation(config: Config, federation: Federation,
   feature_dim = federation.eval_x.shape[-1]
   trace_count = [0]
 
-  def init_run(seed, cell_index):
-    key = jax.random.fold_in(jax.random.PRNGKey(seed), cell_index)
+  def init_run(seed, stream):
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), stream)
     init_key, run_key = jax.random.split(key)
     # Parameters do not depend on the graph: initialise without propagation.
     plain = model.clone(propagate_train=False, propagate_eval=False)
@@ -236,9 +251,8 @@ def make_simulation(config: Config, federation: Federation,
     return SimState(params, fedia.init(num_clients), run_key)
 
   def init(seeds, cells):
-    cell_index = jnp.arange(cells.rho.shape[0])
     return jax.vmap(jax.vmap(init_run, in_axes=(None, 0)), in_axes=(0, None))(
-        jnp.asarray(seeds), cell_index)
+        jnp.asarray(seeds), cells.stream)
 
   def aggregate(state, cell, updates, losses, train_counts):
     # A non-finite update never reaches the global model: its client is treated

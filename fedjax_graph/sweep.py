@@ -17,7 +17,7 @@ from fedjax_graph import checkpoint as ckpt
 from fedjax_graph.config import Config
 from fedjax_graph.data import Federation
 from fedjax_graph.simulation import (Cells, DiagnosticsSpec, RoundMetrics, Simulation,
-                                     make_simulation, sim_data)
+                                     cell_stream, make_simulation, sim_data)
 
 NONFINITE_POLICIES = ("error", "skip")
 
@@ -51,26 +51,42 @@ class History(NamedTuple):
   seconds: list
 
 
+def make_cells(settings: Sequence[tuple[bool, float, float]]) -> Cells:
+  """Cells from ``(fedia, rho, beta)`` triples (rho, beta ignored for FedAvg).
+
+  Raises:
+    ValueError: for a rho outside (0, 1], a beta outside [0, 1], no cell, or a
+      cell given twice.
+  """
+  if not settings:
+    raise ValueError("at least one cell is needed")
+  for fedia, rho, beta in settings:
+    if fedia and not 0 < rho <= 1:
+      raise ValueError(f"rho = {rho}; the mask ratio must be in (0, 1]")
+    if fedia and not 0 <= beta <= 1:
+      raise ValueError(f"beta = {beta}; the momentum must be in [0, 1]")
+  streams = [cell_stream(*s) for s in settings]
+  if len(set(streams)) != len(streams):
+    raise ValueError(f"a cell is given twice in {list(settings)}")
+  return Cells(rho=np.array([s[1] if s[0] else 1.0 for s in settings], np.float32),
+               beta=np.array([s[2] if s[0] else 1.0 for s in settings], np.float32),
+               fedia=np.array([s[0] for s in settings]), stream=np.array(streams, np.int32))
+
+
 def grid_cells(rhos: Sequence[float], betas: Sequence[float], with_fedavg: bool = True) -> Cells:
   """FedIA cells of the rho x beta grid (rho-major), then one FedAvg cell.
 
   Raises:
-    ValueError: if a rho is outside (0, 1] or a beta outside [0, 1], or a list is empty.
+    ValueError: if a rho is outside (0, 1] or a beta outside [0, 1], a list
+      is empty or holds a value twice.
   """
   if not rhos or not betas:
     raise ValueError(f"the grid needs at least one rho and one beta, got {rhos} and {betas}")
-  for rho in rhos:
-    if not 0 < rho <= 1:
-      raise ValueError(f"rho = {rho}; the mask ratio must be in (0, 1]")
-  for beta in betas:
-    if not 0 <= beta <= 1:
-      raise ValueError(f"beta = {beta}; the momentum must be in [0, 1]")
-  rho, beta = (np.array(v, np.float32).ravel() for v in np.meshgrid(rhos, betas, indexing="ij"))
-  fedia = np.ones(len(rho), bool)
-  if with_fedavg:
-    rho, beta = np.append(rho, 1.0).astype(np.float32), np.append(beta, 1.0).astype(np.float32)
-    fedia = np.append(fedia, False)
-  return Cells(rho=rho, beta=beta, fedia=fedia)
+  for name, values in (("rho", rhos), ("beta", betas)):
+    if len(set(values)) != len(values):
+      raise ValueError(f"{name} = {list(values)}; a value is given twice")
+  settings = [(True, float(r), float(b)) for r in rhos for b in betas]
+  return make_cells(settings + [(False, 1.0, 1.0)] * with_fedavg)
 
 
 def describe_nonfinite(nonfinite: np.ndarray, first_round: int, federation: Federation,
@@ -86,7 +102,7 @@ def describe_nonfinite(nonfinite: np.ndarray, first_round: int, federation: Fede
   return (f"client {k} (domain {domain}) sent a non-finite update in round {first_round + t + 1} "
           f"(seed {federation.seeds[s]}, {cell}); {int(nonfinite.sum())} such update(s) in "
           f"rounds {first_round + 1}-{first_round + nonfinite.shape[2]}. The update was left out "
-          f"of the aggregate; rerun with --nonfinite skip to continue and count them")
+          f"of the aggregate. To go on and count such updates: --resume DIR --nonfinite skip")
 
 
 def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,

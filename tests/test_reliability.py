@@ -147,6 +147,7 @@ def test_cells_and_seeds_never_share_a_key(setup):
   keys = np.asarray(sim.init(np.array(federation.seeds, np.int32), cells).key)  # [S, G', 2]
   flat = [tuple(k) for k in keys.reshape(-1, keys.shape[-1])]
   assert len(set(flat)) == len(flat) == 2 * 5
+  assert len(set(np.asarray(cells.stream).tolist())) == 5
 
 
 @pytest.mark.parametrize("overrides, message", [

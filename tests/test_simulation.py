@@ -94,8 +94,8 @@ def test_server_step_fedia_rho1_beta1_equals_uniform_fedavg(setup):
   losses = jnp.zeros((num_clients, cfg.local_steps))
   equal_counts = jnp.ones(num_clients)
   run = jax.jit(sim.aggregate)
-  fedia_cell = simulation.Cells(jnp.float32(1.0), jnp.float32(1.0), jnp.bool_(True))
-  fedavg_cell = simulation.Cells(jnp.float32(1.0), jnp.float32(1.0), jnp.bool_(False))
+  fedia_cell = simulation.Cells(jnp.float32(1.0), jnp.float32(1.0), jnp.bool_(True), 0)
+  fedavg_cell = simulation.Cells(jnp.float32(1.0), jnp.float32(1.0), jnp.bool_(False), 1)
   new_ia, _ = run(state, fedia_cell, updates, losses, equal_counts)
   new_avg, _ = run(state, fedavg_cell, updates, losses, equal_counts)
   expected = params["w"] - cfg.lr * updates["w"].mean(0)
@@ -115,3 +115,16 @@ def test_grid_cells_validate_and_order():
     sweep.grid_cells([0.0], [0.5])
   with pytest.raises(ValueError, match="beta = 1.5"):
     sweep.grid_cells([0.5], [1.5])
+  with pytest.raises(ValueError, match=r"rho = \[0.3, 0.3\]; a value is given twice"):
+    sweep.grid_cells([0.3, 0.3], [0.5])
+
+
+def test_a_cell_gives_the_same_result_in_any_grid(setup):
+  cfg, federation, sim, _ = setup
+  run = lambda cells: sweep.run_sweep(cfg, federation, cells, rounds=2, progress=False,
+                                      simulation=sim)
+  big = run(sweep.grid_cells([0.3, 0.7], [0.5, 0.9]))   # cells (0.3, 0.5) at 0, FedAvg at 4
+  small = run(sweep.grid_cells([0.7, 0.3], [0.9, 0.5]))  # (0.3, 0.5) at 3, FedAvg at 4
+  np.testing.assert_array_equal(big.test_acc[:, 0], small.test_acc[:, 3])
+  np.testing.assert_array_equal(big.test_acc[:, 4], small.test_acc[:, 4])
+  np.testing.assert_array_equal(big.alpha[:, 1], small.alpha[:, 2])  # (0.3, 0.9)
