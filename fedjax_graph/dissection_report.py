@@ -161,6 +161,8 @@ def _plot_jaccard(path, key, jac, offdiag, checkpoints, order, sorted_domain,
     ax.set_title(f"round {checkpoints[k]}\nmean off-diagonal "
                  f"{offdiag[0, k]:.3f}", fontsize=9)
     ax.set_anchor("N")  # Spare height goes to the bottom, which is cropped.
+    if k:  # One y label per row: the panels sit close together.
+      ax.set_ylabel("")
   fig.colorbar(image, ax=list(axes[0]), shrink=0.8, panchor=False,
                label="GSI = |S_i∩S_j| / |S_i∪S_j| (0–1)")
   _save(fig, path, f"{title}: {key}, overlap of top-salient coordinate sets "
@@ -258,7 +260,7 @@ def _plot_alignment(path, runs, summaries, order, sorted_domain, domains,
   num_c = sorted_domain.size
   lim = max(_offdiag_max(r["cosine"][0, -1]) for r in runs.values())
   fig, axes = _figure(11.0, 3.6 * len(runs), len(runs), 2, 0.5,
-                      width_ratios=[1.0, 1.6], hspace=0.6, wspace=0.3)
+                      width_ratios=[1.0, 1.6], hspace=0.6, wspace=0.55)
   for (key, run), (mat_ax, bar_ax) in zip(runs.items(), axes):
     image = _matrix_panel(mat_ax, run["cosine"][0, -1], order, sorted_domain,
                           domains, "RdBu_r", Normalize(-lim, lim))
@@ -278,10 +280,8 @@ def _plot_alignment(path, runs, summaries, order, sorted_domain, domains,
         f"pairs {100 * s['frac_negative_cross_domain'][:, -1].mean():.1f}%, "
         f"mean cos(u_k, ū) {s['mean_cos_to_aggregate'][:, -1].mean():.3f}",
         fontsize=9)
-  # On the left: the gap towards the bar panels holds their y labels.
-  fig.colorbar(image, ax=list(axes[:, 0]), location="left", pad=0.25,
-               shrink=0.8, label="signed cosine between client updates "
-               "(−1 to 1)")
+    fig.colorbar(image, ax=mat_ax, location="right", pad=0.04, fraction=0.05,
+                 label="signed cosine")
   axes[0, 1].legend(handles=[Patch(color=_COLORS[d % len(_COLORS)],
                                    label=domains[d])
                              for d in np.unique(sorted_domain)],
