@@ -12,7 +12,7 @@ from fedjax_graph import config, data, diagnostics, simulation, sweep
 
 
 def test_diagnostics_do_not_change_the_trajectory(tiny_wikinet):
-  cfg = config.load_preset("wikinet", hidden=8)
+  cfg = config.load_preset("wikinet", hidden=8, max_buckets=1)
   federation = data.build_federation(cfg, tiny_wikinet, seeds=[0])
   cells = sweep.grid_cells([0.4], [0.6])
   plain = sweep.run_sweep(cfg, federation, cells, rounds=4, chunk=2, progress=False)

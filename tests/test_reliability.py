@@ -12,7 +12,7 @@ from fedjax_graph import aggregators, config, data, experiment, simulation, swee
 
 @pytest.fixture(scope="module")
 def setup(tiny_wikinet):
-  cfg = config.load_preset("wikinet", hidden=8)
+  cfg = config.load_preset("wikinet", hidden=8, max_buckets=1)
   federation = data.build_federation(cfg, tiny_wikinet, seeds=[0, 1])
   return cfg, federation, simulation.make_simulation(cfg, federation)
 
@@ -82,33 +82,35 @@ def test_grid_resume_overwrite_and_refusals(setup, tiny_wikinet, tmp_path, monke
   np.testing.assert_array_equal(np.load(whole / "history.npz")["fedia_test"], a["fedia_test"])
 
 
-def _poisoned(tiny_wikinet, domain="chameleon"):
+@pytest.fixture(scope="module")
+def poisoned(tiny_wikinet):
+  """Every squirrel client sends a NaN update (its features are NaN)."""
   graphs = {d: dict(g) for d, g in tiny_wikinet.items()}
-  graphs[domain]["x"] = graphs[domain]["x"].copy()
-  graphs[domain]["x"][:] = np.nan  # every client of this domain sends a NaN update
-  return graphs
+  graphs["squirrel"]["x"] = np.full_like(graphs["squirrel"]["x"], np.nan)
+  cfg = config.load_preset("wikinet", hidden=8, max_buckets=1)
+  federation = data.build_federation(cfg, graphs, seeds=[0])
+  return cfg, federation, simulation.make_simulation(cfg, federation)
 
 
-def test_nonfinite_updates_skip_keeps_models_finite(tiny_wikinet):
-  cfg = config.load_preset("wikinet", hidden=8)
-  federation = data.build_federation(cfg, _poisoned(tiny_wikinet), seeds=[0])
+def test_nonfinite_updates_skip_keeps_models_finite(poisoned):
+  cfg, federation, sim = poisoned
   history = sweep.run_sweep(cfg, federation, sweep.grid_cells([0.5], [0.5]), rounds=3,
-                            progress=False, nonfinite="skip")
-  poisoned = federation.client_domain == 0
-  assert history.nonfinite[..., poisoned].all() and not history.nonfinite[..., ~poisoned].any()
+                            progress=False, nonfinite="skip", simulation=sim)
+  bad = federation.client_domain == 1
+  assert history.nonfinite[..., bad].all() and not history.nonfinite[..., ~bad].any()
   assert np.isfinite(history.alpha).all() and np.isfinite(history.train_loss).all()
-  np.testing.assert_array_equal(history.alpha[..., poisoned], 0.0)
+  np.testing.assert_array_equal(history.alpha[..., bad], 0.0)
   np.testing.assert_allclose(history.alpha.sum(-1), 1.0, rtol=1e-5)
   # The other domains still learn a finite model; the poisoned one's accuracy is just low.
   assert np.isfinite(history.test_acc).all()
 
 
-def test_nonfinite_updates_error_names_round_client_and_domain(tiny_wikinet):
-  cfg = config.load_preset("wikinet", hidden=8)
-  federation = data.build_federation(cfg, _poisoned(tiny_wikinet, "squirrel"), seeds=[0])
+def test_nonfinite_updates_error_names_round_client_and_domain(poisoned):
+  cfg, federation, sim = poisoned
   with pytest.raises(sweep.NonFiniteUpdateError,
                      match=r"client 2 \(domain squirrel\) .* in round 1 \(seed 0, FedIA rho=0.5"):
-    sweep.run_sweep(cfg, federation, sweep.grid_cells([0.5], [0.5]), rounds=2, progress=False)
+    sweep.run_sweep(cfg, federation, sweep.grid_cells([0.5], [0.5]), rounds=2, progress=False,
+                    simulation=sim)
 
 
 def test_one_nan_client_would_poison_every_fedia_weight_without_the_guard():
@@ -129,7 +131,7 @@ def test_empty_clients_error_or_weight_zero(tiny_wikinet):
   graphs["chameleon"] = {k: v for k, v in tiny_wikinet["chameleon"].items()}
   graphs["chameleon"] = dict(x=graphs["chameleon"]["x"][:2], y=graphs["chameleon"]["y"][:2],
                              edge_index=np.zeros((2, 0), np.int32))
-  cfg = config.load_preset("wikinet", hidden=8, split=[0.4, 0.3, 0.3])
+  cfg = config.load_preset("wikinet", hidden=8, max_buckets=1, split=[0.4, 0.3, 0.3])
   with pytest.raises(ValueError, match="without training nodes.*allow_empty_clients"):
     data.build_federation(cfg, graphs, seeds=[0])
   cfg = dataclasses.replace(cfg, allow_empty_clients=True)

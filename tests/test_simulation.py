@@ -10,7 +10,7 @@ from fedjax_graph import aggregators, config, data, simulation, sweep
 
 @pytest.fixture(scope="module")
 def setup(tiny_wikinet):
-  cfg = config.load_preset("wikinet", hidden=8)
+  cfg = config.load_preset("wikinet", hidden=8, max_buckets=1)
   federation = data.build_federation(cfg, tiny_wikinet, seeds=[0, 1])
   sim = simulation.make_simulation(cfg, federation)
   return cfg, federation, sim, simulation.sim_data(federation)
