@@ -182,9 +182,18 @@ def load_dataset(dataset: str, raw_dir=None, cache_dir=None, verify: bool = True
 
   Returns:
     (``{domain: {"x", "y", "edge_index"}}``, the cache's meta.json contents).
+
+  Raises:
+    FileNotFoundError: if ``raw_dir`` is given and is not a folder, or raw files
+      are missing.
+    ValueError: for malformed or corrupt raw files.
   """
   import data_prep  # Host-only; kept out of the import path of the JAX modules.
+  import pathlib
 
+  if raw_dir is not None and not pathlib.Path(raw_dir).is_dir():
+    # Even when the cache would serve, a raw folder the user named must exist.
+    raise FileNotFoundError(f"raw data folder {raw_dir} does not exist")
   prepared = data_prep.prepare(dataset, raw_dir=raw_dir, cache_dir=cache_dir, verify=verify)
   graphs_ = {d: data_prep.load_domain(prepared, d) for d in data_prep.DATASETS[dataset]}
   return graphs_, data_prep.load_meta(prepared)

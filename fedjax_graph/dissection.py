@@ -84,6 +84,7 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
   meta = {}
   if domain_graphs is None:
     domain_graphs, meta = load_dataset(dataset, raw_dir, cache_dir, verify)
+  out_dir.mkdir(parents=True, exist_ok=True)
 
   spec = DiagnosticsSpec(rounds=tuple(checkpoints), top=top)
   index = np.asarray(checkpoints) - 1

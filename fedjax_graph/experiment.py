@@ -54,6 +54,9 @@ OUTPUTS = ("config.json", "history.npz", "summary.csv", "heatmap.png", "curves.p
 def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool) -> None:
   """Refuses to clobber a run: a finished one needs ``overwrite``, an unfinished one ``resume``.
 
+  The folder itself is made by the caller once the data has loaded, so a
+  failure before that leaves nothing behind.
+
   Raises:
     ValueError: naming the folder and the flag that would proceed.
   """
@@ -74,7 +77,6 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool) -> Non
   elif unfinished:
     raise ValueError(f"{out_dir} holds an unfinished run; continue it with --resume {out_dir} "
                      "or pass --overwrite to start again")
-  out_dir.mkdir(parents=True, exist_ok=True)
 
 
 MAX_SEED = 2**31 - 1
@@ -143,6 +145,7 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
   if domain_graphs is None:
     domain_graphs, meta = load_dataset(config.dataset, raw_dir, cache_dir, verify)
   federation = build_federation(config, domain_graphs, seeds)
+  out_dir.mkdir(parents=True, exist_ok=True)
 
   setup = {"config": config.to_dict(), "rho": [float(r) for r in rhos],
            "beta": [float(b) for b in betas], "seeds": [int(s) for s in seeds],
