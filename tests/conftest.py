@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny synthetic federation and the real MUSAE data location."""
 
+import importlib.util
 import os
 import pathlib
 
@@ -19,6 +20,14 @@ def fake_domain(num_nodes: int, num_edges: int, num_classes: int, features: int,
   return dict(x=rng.standard_normal((num_nodes, features)).astype(np.float32),
               y=rng.integers(0, num_classes, num_nodes).astype(np.int32),
               edge_index=edges.astype(np.int32))
+
+
+def script_main(name: str):
+  """The ``main`` of ``experiments/<name>.py``, loaded as a module (scripts are not a package)."""
+  spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.main
 
 
 def random_graph(n: int, num_edges: int, seed: int) -> np.ndarray:

@@ -1,13 +1,12 @@
 """Diagnostics inside the jitted rounds: opt-in, trajectory-neutral, end to end on real data."""
 
 import csv
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import script_main
 from fedjax_graph import config, data, diagnostics, simulation, sweep
 
 
@@ -29,16 +28,11 @@ def test_diagnostics_do_not_change_the_trajectory(tiny_wikinet):
   assert np.all((off_diagonal >= 0) & (off_diagonal < 1))
 
 
-def _diagnose_main():
-  spec = importlib.util.spec_from_file_location("diagnose", REPO / "experiments" / "diagnose.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.main
 
 
 def test_diagnose_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, capsys):
   out = tmp_path / "dissect"
-  _diagnose_main()(["--dataset", "wikinet", "--rounds", "3", "--checkpoints", "1,3",
+  script_main("diagnose")(["--dataset", "wikinet", "--rounds", "3", "--checkpoints", "1,3",
                     "--backbones", "pmlp_gcn", "--aggregators", "fedavg,fedia",
                     "--raw-dir", str(raw_dir), "--cache-dir", str(prepared_cache),
                     "--out", str(out), "--no-progress"])
@@ -71,6 +65,6 @@ def test_diagnose_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, 
 ])
 def test_diagnose_rejects_bad_flags(flags, message, tmp_path, capsys):
   with pytest.raises(SystemExit) as exit_info:
-    _diagnose_main()(["--dataset", "wikinet", "--out", str(tmp_path / "x"), *flags])
+    script_main("diagnose")(["--dataset", "wikinet", "--out", str(tmp_path / "x"), *flags])
   assert exit_info.value.code == 2
   assert message in capsys.readouterr().err

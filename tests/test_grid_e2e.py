@@ -1,26 +1,20 @@
 """experiments/grid.py end to end on the real WikiNet graphs (few rounds, 2x2 grid)."""
 
 import csv
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO
+from conftest import script_main
 
 
-def _grid_main():
-  spec = importlib.util.spec_from_file_location("grid", REPO / "experiments" / "grid.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.main
 
 
 def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, capsys):
   out = tmp_path / "run"
-  _grid_main()(["--dataset", "wikinet", "--rounds", "3", "--last", "2", "--chunk", "2",
+  script_main("grid")(["--dataset", "wikinet", "--rounds", "3", "--last", "2", "--chunk", "2",
                 "--rho", "0.3,0.7", "--beta", "0.5,0.9", "--raw-dir", str(raw_dir),
                 "--cache-dir", str(prepared_cache), "--out", str(out), "--no-progress"])
   printed = capsys.readouterr().out
@@ -79,7 +73,7 @@ def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, caps
 ])
 def test_grid_rejects_bad_flags_before_any_work(flags, message, tmp_path, capsys):
   with pytest.raises(SystemExit) as exit_info:
-    _grid_main()(["--dataset", "wikinet", "--out", str(tmp_path / "x"), *flags])
+    script_main("grid")(["--dataset", "wikinet", "--out", str(tmp_path / "x"), *flags])
   assert exit_info.value.code == 2
   assert message in capsys.readouterr().err
   assert not (tmp_path / "x").exists()
