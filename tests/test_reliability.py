@@ -175,3 +175,16 @@ def test_more_clients_than_nodes_is_an_error(tiny_wikinet):
                            clients_per_domain={"chameleon": 41, "squirrel": 2, "crocodile": 2})
   with pytest.raises(ValueError, match="cannot cut a domain of 40 nodes into 41 clients"):
     data.build_federation(cfg, tiny_wikinet, seeds=[0])
+
+
+def test_grid_stopped_by_a_nonfinite_update_resumes_with_skip(tiny_wikinet, tmp_path):
+  graphs = {d: dict(g) for d, g in tiny_wikinet.items()}
+  graphs["squirrel"]["x"] = np.full_like(graphs["squirrel"]["x"], np.nan)
+  cfg = config.load_preset("wikinet", hidden=8, max_buckets=1)
+  kwargs = dict(rhos=[0.5], betas=[0.5], seeds=[0], rounds=2, last=1, chunk=1, progress=False)
+  with pytest.raises(sweep.NonFiniteUpdateError, match="--resume DIR --nonfinite skip"):
+    experiment.run_grid(cfg, out_dir=tmp_path / "run", domain_graphs=graphs, **kwargs)
+  experiment.resume_grid(tmp_path / "run", domain_graphs=graphs, progress=False, nonfinite="skip")
+  rows = (tmp_path / "run" / "summary.csv").read_text().splitlines()
+  # Two squirrel clients left out in each of the 2 rounds, for FedAvg and for the FedIA cell.
+  assert [r.split(",")[-1] for r in rows[1:]] == ["4", "4"]
