@@ -34,10 +34,12 @@ def main(argv=None):
                       help="comma list of backbones (default: %(default)s)")
   parser.add_argument("--aggregators", type=str_list, default="fedavg,fedia",
                       help="comma list from fedavg, fedia (default: %(default)s)")
-  parser.add_argument("--checkpoints", type=cli.int_list, default="1,50,100,200",
-                      help="1-based rounds at which to take the diagnostics (default: %(default)s)")
+  parser.add_argument("--checkpoints", type=cli.int_list, default=None,
+                      help="1-based rounds at which to take the diagnostics, in [1, rounds] "
+                           "(default: 1, rounds/4, rounds/2, rounds: 1,50,100,200 for 200)")
   parser.add_argument("--top", type=float, default=0.05,
-                      help="salient share p of each client's coordinates (default: %(default)s)")
+                      help="salient share p of each client's coordinates, in (0, 1) "
+                           "(default: %(default)s)")
   parser.add_argument("--rho", type=float, default=0.5, help="FedIA mask ratio (default: 0.5)")
   parser.add_argument("--beta", type=float, default=0.5, help="FedIA momentum (default: 0.5)")
   parser.add_argument("--out", type=pathlib.Path, default=None,
@@ -45,9 +47,11 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.dataset is None:
     parser.error("--dataset is required")
+  checkpoints = args.checkpoints or sorted({1, max(1, args.rounds // 4), max(1, args.rounds // 2),
+                                            max(1, args.rounds)})
   try:
     headline = run_diagnose(args.dataset, args.setting, args.backbones, args.aggregators,
-                            args.checkpoints, args.rounds, args.seeds, top=args.top, rho=args.rho,
+                            checkpoints, args.rounds, args.seeds, top=args.top, rho=args.rho,
                             beta=args.beta, out_dir=args.out, raw_dir=args.raw_dir,
                             cache_dir=args.cache_dir, chunk=args.chunk,
                             progress=not args.no_progress, overwrite=args.overwrite,

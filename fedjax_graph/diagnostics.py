@@ -960,7 +960,10 @@ def factor_association(factors: Mapping[str, Any], retention_by_client: Any,
   for name, factor in factors.items():
     x = client_discrepancy(factor, client_domain)
     ok = np.isfinite(x) & np.isfinite(ret)
-    if ok.sum() < 2 or np.ptp(x[ok]) == 0 or np.ptp(ret[ok]) == 0:
+    # A factor flat up to float noise (e.g. the mean-feature distance of
+    # per-domain standardised features) must not be ranked: its rho is noise.
+    if (ok.sum() < 2 or np.ptp(x[ok]) <= 1e-6 * max(1.0, np.abs(x[ok]).max())
+        or np.ptp(ret[ok]) == 0):
       out[name] = float("nan")
       continue
     with warnings.catch_warnings():

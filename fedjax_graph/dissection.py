@@ -63,6 +63,7 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
   Raises:
     ValueError: naming any bad value.
   """
+  check_run_args(rounds, 1, seeds, chunk)
   checkpoints = sorted(set(int(c) for c in checkpoints))
   if not checkpoints or checkpoints[0] < 1 or checkpoints[-1] > rounds:
     raise ValueError(f"checkpoints = {checkpoints}; need at least one, each in [1, {rounds}]")
@@ -74,13 +75,13 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
   unknown = [a for a in aggregators if a not in AGGREGATORS]
   if unknown or not aggregators or len(set(aggregators)) != len(aggregators):
     raise ValueError(f"aggregators = {list(aggregators)}; choose from {list(AGGREGATORS)}")
-  check_run_args(rounds, 1, seeds, chunk)
   configs = {b: load_preset(dataset, setting, backbone=b) for b in backbones}
   first = configs[backbones[0]]
   cells = make_cells([(a == "fedia", rho, beta) for a in aggregators])
   out_dir = pathlib.Path(out_dir) if out_dir else pathlib.Path(
       str(default_out_dir(first)).replace(first.setting, f"{first.setting}-diagnose", 1))
-  prepare_out_dir(out_dir, resume=False, overwrite=overwrite)
+  prepare_out_dir(out_dir, resume=False, overwrite=overwrite, finished_marker="headline.json",
+                  resumable=False)
   meta = {}
   if domain_graphs is None:
     domain_graphs, meta = load_dataset(dataset, raw_dir, cache_dir, verify)

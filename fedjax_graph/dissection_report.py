@@ -273,7 +273,7 @@ def _plot_alignment(path, runs, summaries, order, sorted_domain, domains,
     bar_ax.axhline(0.0, color="black", linewidth=0.8)
     bar_ax.set_xticks(np.arange(0, num_c, max(1, -(-num_c // 15))))
     bar_ax.set_xlabel("client (ordered by domain)")
-    bar_ax.set_ylabel("cos(u_k, ū), ū = FedAvg aggregate")
+    bar_ax.set_ylabel("cos(u_k, ū), ū = FedAvg-weighted\nmean of this run's updates")
     s = summaries[key]
     bar_ax.set_title(
         f"{key} (means over S={cta.shape[0]} seeds)\nnegative cross-domain "
@@ -320,7 +320,8 @@ def _plot_factors(path, assoc, title) -> None:
   _save(fig, path, f"{title}: domain factors vs salient-set retention after "
         "aggregation\none point per client: its domain's mean discrepancy to "
         "the other domains vs its retention\n(mean over checkpoints and "
-        "seeds); n/a: ρ undefined, one side constant (e.g. only 2 domains)")
+        "seeds); n/a: ρ undefined, one side constant up to float noise; few "
+        "domains give few distinct values")
 
 
 def _plot_dilution(path, hists, leaf_names, last_round, title) -> None:

@@ -51,7 +51,8 @@ CHECKPOINT = "checkpoint.msgpack"
 OUTPUTS = ("config.json", "history.npz", "summary.csv", "heatmap.png", "curves.png", CHECKPOINT)
 
 
-def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool) -> None:
+def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
+                    finished_marker: str = "summary.csv", resumable: bool = True) -> None:
   """Refuses to clobber a run: a finished one needs ``overwrite``, an unfinished one ``resume``.
 
   The folder itself is made by the caller once the data has loaded, so a
@@ -60,11 +61,11 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool) -> Non
   Raises:
     ValueError: naming the folder and the flag that would proceed.
   """
-  finished = (out_dir / "summary.csv").exists()
+  finished = (out_dir / finished_marker).exists()
   unfinished = not finished and ((out_dir / CHECKPOINT).exists()
                                  or (out_dir / "config.json").exists())
   if overwrite:
-    for name in OUTPUTS:
+    for name in OUTPUTS + (finished_marker,):
       (out_dir / name).unlink(missing_ok=True)
   elif resume:
     if finished:
@@ -73,7 +74,11 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool) -> Non
     if not unfinished:
       raise ValueError(f"{out_dir} holds no run to resume")
   elif finished:
-    raise ValueError(f"{out_dir} holds a finished run; pass --overwrite to replace it")
+    raise ValueError(f"{out_dir} holds a finished run; pass --overwrite to replace it or "
+                     "choose another --out")
+  elif unfinished and not resumable:
+    raise ValueError(f"{out_dir} holds an unfinished run that cannot be resumed; pass "
+                     "--overwrite to replace it or choose another --out")
   elif unfinished:
     raise ValueError(f"{out_dir} holds an unfinished run; continue it with --resume {out_dir} "
                      "or pass --overwrite to start again")

@@ -68,3 +68,28 @@ def test_diagnose_rejects_bad_flags(flags, message, tmp_path, capsys):
     script_main("diagnose")(["--dataset", "wikinet", "--out", str(tmp_path / "x"), *flags])
   assert exit_info.value.code == 2
   assert message in capsys.readouterr().err
+
+
+def test_a_factor_flat_up_to_float_noise_has_no_association():
+  client_domain = np.array([0, 0, 1, 1, 2, 2])
+  noise = np.array([[0, 1e-9, 2e-9], [1e-9, 0, 3e-9], [2e-9, 3e-9, 0]])
+  real = np.array([[0, 1.0, 2.0], [1.0, 0, 3.0], [2.0, 3.0, 0]])
+  retention = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+  rho = diagnostics.factor_association({"flat": noise, "real": real}, retention, client_domain)
+  assert np.isnan(rho["flat"]) and np.isfinite(rho["real"])
+
+
+def test_diagnose_refuses_a_finished_folder(tiny_wikinet, tmp_path):
+  from fedjax_graph.experiment import prepare_out_dir
+  (tmp_path / "headline.json").write_text("{}")
+  with pytest.raises(ValueError, match="holds a finished run; pass --overwrite"):
+    prepare_out_dir(tmp_path, resume=False, overwrite=False, finished_marker="headline.json",
+                    resumable=False)
+  (tmp_path / "headline.json").unlink()
+  (tmp_path / "config.json").write_text("{}")
+  with pytest.raises(ValueError, match="unfinished run that cannot be resumed"):
+    prepare_out_dir(tmp_path, resume=False, overwrite=False, finished_marker="headline.json",
+                    resumable=False)
+  prepare_out_dir(tmp_path, resume=False, overwrite=True, finished_marker="headline.json",
+                  resumable=False)
+  assert not (tmp_path / "config.json").exists()
