@@ -135,8 +135,8 @@ def _matrix_panel(ax, matrix, order, sorted_domain, domains, cmap, norm):
     ticks.append((idx.mean(), domains[d]))
   # One tick per domain block stays readable up to C=30 clients and beyond.
   pos, names = zip(*ticks)
-  ax.set_xticks(pos, names, rotation=45, ha="right", fontsize=8)
-  ax.set_yticks(pos, names, fontsize=8)
+  ax.set_xticks(pos, names, rotation=90, fontsize=7)
+  ax.set_yticks(pos, names, fontsize=7)
   ax.set_xlabel("client (ordered by domain)")
   ax.set_ylabel("client (ordered by domain)")
   return image
