@@ -21,7 +21,7 @@ from fedjax_graph import report
 from fedjax_graph.checkpoint import fingerprint
 from fedjax_graph.config import Config
 from fedjax_graph.data import build_federation, load_dataset
-from fedjax_graph.sweep import NONFINITE_POLICIES, grid_cells, run_sweep
+from fedjax_graph.sweep import check_sweep_args, grid_cells, run_sweep
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "jraph", "numpy", "scipy")
 
@@ -94,8 +94,7 @@ def check_run_args(rounds: int, last: int, seeds: Sequence[int], chunk: int = 1,
   Raises:
     ValueError: naming the first bad value and what is allowed.
   """
-  if rounds < 1:
-    raise ValueError(f"rounds = {rounds}; must be >= 1")
+  check_sweep_args(rounds, chunk, checkpoint_every, nonfinite)
   if not 1 <= last <= rounds:
     raise ValueError(f"last = {last}; must be in [1, rounds = {rounds}]")
   if not seeds or len(set(seeds)) != len(seeds):
@@ -103,12 +102,6 @@ def check_run_args(rounds: int, last: int, seeds: Sequence[int], chunk: int = 1,
   bad = [s for s in seeds if not 0 <= s <= MAX_SEED]
   if bad:
     raise ValueError(f"seeds = {list(seeds)}; each must be in [0, {MAX_SEED}]")
-  if chunk < 1:
-    raise ValueError(f"chunk = {chunk}; must be >= 1")
-  if checkpoint_every < 1:
-    raise ValueError(f"checkpoint_every = {checkpoint_every}; must be >= 1")
-  if nonfinite not in NONFINITE_POLICIES:
-    raise ValueError(f"nonfinite = {nonfinite!r}; choose one of {NONFINITE_POLICIES}")
 
 
 def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],

@@ -105,6 +105,20 @@ def describe_nonfinite(nonfinite: np.ndarray, first_round: int, federation: Fede
           f"of the aggregate. To go on and count such updates: --resume DIR --nonfinite skip")
 
 
+def check_sweep_args(rounds: int, chunk: int = 1, checkpoint_every: int = 1,
+                     nonfinite: str = "error") -> None:
+  """Checks a sweep's run controls.
+
+  Raises:
+    ValueError: naming the first bad value and what is allowed.
+  """
+  for name, value in (("rounds", rounds), ("chunk", chunk), ("checkpoint_every", checkpoint_every)):
+    if value < 1:
+      raise ValueError(f"{name} = {value}; must be >= 1")
+  if nonfinite not in NONFINITE_POLICIES:
+    raise ValueError(f"nonfinite = {nonfinite!r}; choose one of {NONFINITE_POLICIES}")
+
+
 def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
               chunk: int = 10, progress: bool = True, description: Optional[str] = None,
               simulation: Optional[Simulation] = None, nonfinite: str = "error",
@@ -142,11 +156,7 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
       unknown policy, or a checkpoint of another setup.
     NonFiniteUpdateError: under the ``error`` policy.
   """
-  for name, value in (("rounds", rounds), ("chunk", chunk), ("checkpoint_every", checkpoint_every)):
-    if value < 1:
-      raise ValueError(f"{name} = {value}; must be >= 1")
-  if nonfinite not in NONFINITE_POLICIES:
-    raise ValueError(f"nonfinite = {nonfinite!r}; choose one of {NONFINITE_POLICIES}")
+  check_sweep_args(rounds, chunk, checkpoint_every, nonfinite)
   if diagnostics is not None and checkpoint_path is not None:
     raise ValueError("diagnostics runs are not checkpointed; drop one of the two")
   sim = simulation or make_simulation(config, federation, diagnostics)

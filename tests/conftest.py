@@ -30,6 +30,14 @@ def script_main(name: str):
   return module.main
 
 
+def usage_error(script: str, argv: list, capsys) -> str:
+  """Runs ``experiments/<script>.py`` expecting argparse's usage error; returns its stderr."""
+  with pytest.raises(SystemExit) as exit_info:
+    script_main(script)(argv)
+  assert exit_info.value.code == 2
+  return capsys.readouterr().err
+
+
 def random_graph(n: int, num_edges: int, seed: int) -> np.ndarray:
   """int[2, 2 * num_edges]: a random simple undirected graph, both directions."""
   rng = np.random.default_rng(seed)
