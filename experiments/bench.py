@@ -69,7 +69,7 @@ def looped_runs(sim, federation, state0, cells, data, rounds, warmup):
             local_update, federation, sim.model.propagate_train, state.params,
             data_s.client_shards, client_keys(state.key, t, federation.num_clients))
         state, _ = aggregate(state, cell, updates, losses, data_s.train_counts)
-        test_acc, _ = evaluate(state.params, data_s.eval_val, data_s.eval_test, data_s)
+        test_acc, _, _ = evaluate(state.params, data_s.eval_val, data_s.eval_test, data_s)
       final[s, g] = np.asarray(test_acc)
   return None if warmup else final
 

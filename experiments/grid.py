@@ -30,11 +30,7 @@ def main(argv=None):
                       help="FedIA mask ratios, comma list in (0, 1] (default: %(default)s)")
   parser.add_argument("--beta", type=cli.float_list, default="0.1,0.3,0.5,0.7,0.9",
                       help="FedIA momentum factors, comma list in [0, 1] (default: %(default)s)")
-  parser.add_argument("--last", type=int, default=None,
-                      help="final rounds averaged in summary.csv (default: 20, or all rounds "
-                           "when fewer)")
-  parser.add_argument("--out", type=pathlib.Path, default=None,
-                      help="output folder (default: results/<dataset>-<setting>-<timestamp>)")
+  cli.add_output_flags(parser)
   args = parser.parse_args(argv)
   try:
     if args.resume:
@@ -43,8 +39,8 @@ def main(argv=None):
                   nonfinite=args.nonfinite)
       return
     config = cli.config_from_args(parser, args)
-    last = min(20, args.rounds) if args.last is None else args.last
-    run_grid(config, args.rho, args.beta, args.seeds, args.rounds, last, out_dir=args.out,
+    run_grid(config, args.rho, args.beta, args.seeds, args.rounds, cli.last_from_args(args),
+             out_dir=args.out,
              raw_dir=args.raw_dir, cache_dir=args.cache_dir, chunk=args.chunk,
              progress=not args.no_progress, nonfinite=args.nonfinite or "error",
              checkpoint_every=args.checkpoint_every, overwrite=args.overwrite,

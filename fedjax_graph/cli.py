@@ -57,15 +57,37 @@ def add_sweep_flags(parser: argparse.ArgumentParser) -> None:
                       help="model (default: the preset's, pmlp_gcn)")
   parser.add_argument("--nonfinite", choices=["error", "skip"], default=None,
                       help="a client update with NaN/Inf is always kept out of the global model; "
-                           "error: stop and name it, skip: go on and count it (default: error; "
-                           "with --resume, the run's own)")
+                           "error: stop and name it, skip: go on and count it (default: error "
+                           "for grid.py, skip for table.py and ablation.py, whose tables report "
+                           "it; with --resume, the run's own)")
   parser.add_argument("--checkpoint-every", type=int, default=1,
                       help="chunks between checkpoints of the whole simulation state "
                            "(default: %(default)s)")
+  parser.add_argument("--participation", type=float, default=None,
+                      help="share of clients sampled each round, in (0, 1] (default: the "
+                           "preset's, 1 = all)")
   parser.add_argument("--resume", type=pathlib.Path, default=None, metavar="DIR",
                       help="continue the interrupted run in DIR with its own config.json "
                            "(only --raw-dir, --cache-dir, --no-progress, --no-verify and "
                            "--nonfinite apply; other flags are ignored)")
+
+
+def str_list(text: str) -> list[str]:
+  """'fedavg,fedprox' -> ['fedavg', 'fedprox']."""
+  return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def add_output_flags(parser: argparse.ArgumentParser) -> None:
+  """--last and --out, as grid.py has them."""
+  parser.add_argument("--last", type=int, default=None,
+                      help="final rounds averaged per seed (default: 20, or all rounds when "
+                           "fewer)")
+  parser.add_argument("--out", type=pathlib.Path, default=None,
+                      help="output folder (default: results/<dataset>-<setting>-...-<timestamp>)")
+
+
+def last_from_args(args) -> int:
+  return min(20, args.rounds) if args.last is None else args.last
 
 
 def config_from_args(parser: argparse.ArgumentParser, args) -> Config:
@@ -73,6 +95,7 @@ def config_from_args(parser: argparse.ArgumentParser, args) -> Config:
   if args.dataset is None:
     parser.error("--dataset is required (unless --resume DIR)")
   try:
-    return load_preset(args.dataset, args.setting, backbone=args.backbone)
+    return load_preset(args.dataset, args.setting, backbone=args.backbone,
+                       participation=args.participation)
   except ValueError as err:
     parser.error(str(err))

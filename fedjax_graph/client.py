@@ -4,6 +4,9 @@
 simulation vmaps it over the clients of a size bucket, so all clients train in
 one batched computation and the steps run in a ``lax.scan``.
 
+A base method (``methods.Method``: FedProx, MOON, FedDyn, SCAFFOLD...) adds
+its term to the local loss; its per-client state arrives as an argument.
+
 References:
   FedIA paper, Sec. 3.1 (descent convention u_k = -(W_k - W)/eta) and
   Appendix A.1 (5 local steps, SGD with momentum 0.9, weight decay 1e-5, eta 0.05).
@@ -15,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_graph import methods as methods_lib
 from fedjax_graph.config import Config
 from fedjax_graph.graphs import Graph
 from fedjax_graph.models import NodeClassifier
@@ -33,13 +37,15 @@ def local_optimizer(config: Config) -> optax.GradientTransformation:
                      optax.sgd(config.lr, momentum=config.momentum))
 
 
-LocalUpdate = Callable[[PyTree, Array, Array, Array, Optional[Graph], Array], tuple[PyTree, Array]]
+LocalUpdate = Callable[..., tuple[PyTree, Array]]
 
 
-def make_local_update(model: NodeClassifier, config: Config) -> LocalUpdate:
+def make_local_update(model: NodeClassifier, config: Config,
+                      method: Optional[methods_lib.Method] = None) -> LocalUpdate:
   """The local training of one client, as a pure function.
 
-  The returned ``local_update(global_params, x, y, train_mask, graph, key)`` takes
+  The returned ``local_update(global_params, x, y, train_mask, graph, key,
+  client_state=(), server_state=())`` takes
 
     global_params: the global model W (a pytree of f32 arrays).
     x: f32[N, F] the client's node features (padded).
@@ -48,22 +54,37 @@ def make_local_update(model: NodeClassifier, config: Config) -> LocalUpdate:
     graph: the client's padded ``Shard`` when the backbone propagates in
       training, else None (then only the rows of ``x`` matter).
     key: a PRNG key for this client and round.
+    client_state: this client's row of the method's per-client state.
+    server_state: the method's server state (read only).
 
   and returns ``(client_update, losses)``: the update u_k = -(W_k - W)/eta in
   the descent convention (a pytree shaped like W) and f32[local_steps] the
-  masked mean cross-entropy before each step. The optimiser state is fresh each
-  round and every step draws its own dropout key from ``key``.
+  masked mean cross-entropy before each step (without the method's term).
+  The optimiser state is fresh each round and every step draws its own
+  dropout key from ``key``. ``method`` defaults to FedAvg (no extra term).
   """
   optimizer = local_optimizer(config)
+  method = method or methods_lib.fedavg(model, config)
 
-  def loss_fn(params, x, y, train_mask, graph, key):
-    logits = model.apply(params, x, graph, train=True, rngs={"dropout": key})
-    return masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), train_mask)
+  def loss_fn(params, x, y, train_mask, graph, key, context):
+    global_params, client_state, server_state, prepared = context
+    hidden, logits = model.apply(params, x, graph, train=True, rngs={"dropout": key},
+                                 with_hidden=True)
+    cross_entropy = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y),
+                                train_mask)
+    extra = method.local_loss(params, hidden, prepared, global_params, client_state,
+                              server_state, train_mask)
+    return cross_entropy + extra, cross_entropy
 
-  def local_update(global_params, x, y, train_mask, graph, key):
+  def local_update(global_params, x, y, train_mask, graph, key, client_state=(),
+                   server_state=()):
+    context = (global_params, client_state, server_state,
+               method.prepare(global_params, client_state, x, graph))
+
     def step(carry, step_key):
       params, opt_state = carry
-      loss, grads = jax.value_and_grad(loss_fn)(params, x, y, train_mask, graph, step_key)
+      (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+          params, x, y, train_mask, graph, step_key, context)
       updates, opt_state = optimizer.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), loss
 

@@ -40,6 +40,9 @@ class Config:
     allow_empty_clients: a client whose split leaves it no training node is an
       error (False) or takes part with weight 0 and never enters an aggregate
       (True).
+    participation: share of clients sampled to take part in each round, in
+      (0, 1]: max(1, round(participation * C)) clients, seeded per seed and
+      round (1: every client, every round).
   """
   dataset: str
   setting: str
@@ -55,6 +58,7 @@ class Config:
   weight_decay: float = 1e-5
   max_buckets: int = 3
   allow_empty_clients: bool = False
+  participation: float = 1.0
 
   def __post_init__(self):
     if self.dataset not in DATASET_DOMAINS:
@@ -85,6 +89,7 @@ class Config:
     _check(0 <= self.momentum < 1, "momentum", self.momentum, "in [0, 1)")
     _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
     _check(self.max_buckets >= 1, "max_buckets", self.max_buckets, "an integer >= 1")
+    _check(0 < self.participation <= 1, "participation", self.participation, "in (0, 1]")
 
   @property
   def domains(self) -> tuple[str, ...]:

@@ -79,7 +79,7 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
   first = configs[backbones[0]]
   cells = make_cells([(a == "fedia", rho, beta) for a in aggregators])
   out_dir = pathlib.Path(out_dir) if out_dir else pathlib.Path(
-      str(default_out_dir(first)).replace(first.setting, f"{first.setting}-diagnose", 1))
+      default_out_dir(first, "diagnose"))
   prepare_out_dir(out_dir, resume=False, overwrite=overwrite, finished_marker="headline.json",
                   resumable=False)
   meta = {}

@@ -55,7 +55,7 @@ def _figure(width: float, height: float, rows: int = 1, cols: int = 1,
   """An Agg figure and its [rows, cols] axes, ``head`` inches left on top.
 
   Spacing is set by hand: constrained layout costs one more full draw per
-  figure, and ``report._save_figure`` already crops to a tight box.
+  figure, and ``report.save_figure`` already crops to a tight box.
   """
   fig = Figure(figsize=(width, height))
   FigureCanvasAgg(fig)
@@ -68,7 +68,7 @@ def _save(fig: Figure, path: str, suptitle: str) -> None:
   # Anchored at the top edge and growing upwards, so no figure needs to
   # reserve room for it; the tight bounding box then includes it.
   fig.suptitle(suptitle, y=1.0, va="bottom", fontsize=10)
-  report._save_figure(fig, path)
+  report.save_figure(fig, path)
 
 
 def _check(runs, num_k, client_domain, domains, num_l, factors) -> None:
@@ -251,7 +251,7 @@ def _plot_abs_cosine(path, runs, client_domain, last_round, title) -> None:
   ax.set_title(f"{title}: cross-domain alignment magnitude at round "
                f"{last_round}\n(n pairs i<j of different domains, pooled over "
                "seeds; dots = pairs when n ≤ 100)", fontsize=10)
-  report._save_figure(fig, path)
+  report.save_figure(fig, path)
 
 
 def _plot_alignment(path, runs, summaries, order, sorted_domain, domains,

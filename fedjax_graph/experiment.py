@@ -26,9 +26,11 @@ from fedjax_graph.sweep import check_sweep_args, grid_cells, run_sweep
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "jraph", "numpy", "scipy")
 
 
-def default_out_dir(config: Config) -> pathlib.Path:
+def default_out_dir(config: Config, kind: str = "") -> pathlib.Path:
+  """``results/<dataset>-<setting>[-<kind>]-<timestamp>``."""
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  return pathlib.Path("results") / f"{config.dataset}-{config.setting}-{stamp}"
+  name = "-".join(part for part in (config.dataset, config.setting, kind, stamp) if part)
+  return pathlib.Path("results") / name
 
 
 def provenance() -> dict:

@@ -105,24 +105,30 @@ class NodeClassifier(nn.Module):
   propagate_eval: bool = True
 
   @nn.compact
-  def __call__(self, x: Array, graph: Optional[Graph], train: bool) -> Array:
+  def __call__(self, x: Array, graph: Optional[Graph], train: bool, deterministic: bool = False,
+               with_hidden: bool = False):
     """Logits f32[N, K] for node features ``x`` f32[N, F].
 
     ``graph`` may be None when this configuration does not propagate (then the
-    rows of ``x`` are treated as independent nodes). Needs the ``dropout`` rng
-    when ``train`` is True.
+    rows of ``x`` are treated as independent nodes). ``train`` selects the
+    training-time architecture (propagation as ``propagate_train``) and
+    dropout; ``deterministic`` turns dropout off (e.g. for MOON's frozen
+    models). Needs the ``dropout`` rng when dropout is on. With
+    ``with_hidden``, returns ``(hidden f32[N, H], logits)``: ``hidden`` is the
+    classifier's input before dropout (the node representation).
     """
     propagates = self.propagate_train if train else self.propagate_eval
     if propagates and graph is None:
       raise ValueError("this backbone propagates here and needs a graph, got None")
     graph = graph if propagates else None
-    h = x
+    h = hidden = x
     for i in range(self.num_layers - 1):
-      h = nn.relu(GraphLinear(self.hidden, name=f"layer_{i}")(h, graph))
-      if train and self.dropout > 0:
+      h = hidden = nn.relu(GraphLinear(self.hidden, name=f"layer_{i}")(h, graph))
+      if train and not deterministic and self.dropout > 0:
         keep = dropout_keep_mask(self.make_rng("dropout"), h.shape, self.dropout)
         h = jnp.where(keep, h / (1 - effective_rate(self.dropout)), 0.0)
-    return GraphLinear(self.num_classes, name=f"layer_{self.num_layers - 1}")(h, graph)
+    logits = GraphLinear(self.num_classes, name=f"layer_{self.num_layers - 1}")(h, graph)
+    return (hidden, logits) if with_hidden else logits
 
 
 def make_model(name: str, num_classes: int, hidden: int = 128, num_layers: int = 3,

@@ -355,6 +355,11 @@ def write_history(path: str | os.PathLike, /, **arrays: Any) -> None:
   _atomic_write(path, lambda f: np.savez(f, **arrays), binary=True)
 
 
+def write_text(path: str | os.PathLike, text: str) -> None:
+  """Atomically writes ``text`` (UTF-8) to ``path``."""
+  _atomic_write(path, lambda f: f.write(text), binary=False)
+
+
 def _json_default(obj: Any) -> Any:
   """Converts numpy values that ``json`` cannot serialise natively."""
   if isinstance(obj, np.ndarray):
@@ -382,7 +387,7 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
   _atomic_write(path, lambda f: f.write(text + "\n"), binary=False)
 
 
-def _save_figure(fig: Figure, path: str | os.PathLike) -> None:
+def save_figure(fig: Figure, path: str | os.PathLike) -> None:
   """Atomically saves a figure; the format follows ``path``'s suffix.
 
   Args:
@@ -617,7 +622,7 @@ def plot_heatmap(rows: Sequence[Row], path: str | os.PathLike,
   head = f"{title}: " if title else ""
   ax.set_title(f"{head}FedAvg+FedIA ΔAVG over ρ×β\n{best_note}", fontsize=10)
   fig.colorbar(image, ax=ax, label=DELTA_LABEL)
-  _save_figure(fig, path)
+  save_figure(fig, path)
 
 
 def _avg_curve(acc: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -697,4 +702,4 @@ def plot_curves(fedavg_acc: np.ndarray, fedia_acc: np.ndarray,
                else f"AVG over domains, {spread}", fontsize=10)
   ax.grid(alpha=0.3)
   ax.legend(loc="best", fontsize=9)
-  _save_figure(fig, path)
+  save_figure(fig, path)

@@ -36,6 +36,8 @@ class History(NamedTuple):
     alpha: f32[S, G', T, C] aggregation weights per round.
     mask_coverage: f32[S, G', T] share of coordinates aggregated.
     nonfinite: bool[S, G', T, C] client updates left out for NaN/Inf.
+    predicted_classes: i32[S, G', T, D] distinct classes predicted on each
+      domain's test nodes.
     diagnostics: ``diagnostics.RoundDiagnostics`` with leaves [S, G', T, ...]
       (zeros outside the requested rounds), or None.
     seconds: wall time of each chunk run in this call (the first includes
@@ -47,12 +49,17 @@ class History(NamedTuple):
   alpha: np.ndarray
   mask_coverage: np.ndarray
   nonfinite: np.ndarray
+  predicted_classes: np.ndarray
   diagnostics: object
   seconds: list
 
 
-def make_cells(settings: Sequence[tuple[bool, float, float]]) -> Cells:
-  """Cells from ``(fedia, rho, beta)`` triples (rho, beta ignored for FedAvg).
+def make_cells(settings: Sequence[tuple]) -> Cells:
+  """Cells from ``(fedia, rho, beta)`` or ``(fedia, rho, beta, momentum)`` tuples.
+
+  ``fedia`` False is the base method (rho and beta ignored); ``momentum``
+  (default: ``fedia``) False with ``fedia`` True is FedIA's mask alone (IM,
+  an ablation; beta ignored).
 
   Raises:
     ValueError: for a rho outside (0, 1], a beta outside [0, 1], no cell, or a
@@ -60,17 +67,31 @@ def make_cells(settings: Sequence[tuple[bool, float, float]]) -> Cells:
   """
   if not settings:
     raise ValueError("at least one cell is needed")
-  for fedia, rho, beta in settings:
+  settings = [tuple(s) + (s[0],) * (len(s) == 3) for s in settings]
+  for fedia, rho, beta, momentum in settings:
+    if momentum and not fedia:
+      raise ValueError(f"cell {(fedia, rho, beta, momentum)}: CAM (momentum) is only run with "
+                       "the mask (fedia); use rho = 1 for CAM alone")
     if fedia and not 0 < rho <= 1:
       raise ValueError(f"rho = {rho}; the mask ratio must be in (0, 1]")
-    if fedia and not 0 <= beta <= 1:
+    if momentum and not 0 <= beta <= 1:
       raise ValueError(f"beta = {beta}; the momentum must be in [0, 1]")
   streams = [cell_stream(*s) for s in settings]
   if len(set(streams)) != len(streams):
     raise ValueError(f"a cell is given twice in {list(settings)}")
   return Cells(rho=np.array([s[1] if s[0] else 1.0 for s in settings], np.float32),
-               beta=np.array([s[2] if s[0] else 1.0 for s in settings], np.float32),
-               fedia=np.array([s[0] for s in settings]), stream=np.array(streams, np.int32))
+               beta=np.array([s[2] if s[3] else 1.0 for s in settings], np.float32),
+               fedia=np.array([s[0] for s in settings]), stream=np.array(streams, np.int32),
+               momentum=np.array([s[3] for s in settings]))
+
+
+def describe_cell(cells: Cells, g: int, base: str = "FedAvg") -> str:
+  """'FedAvg', 'FedAvg+IM rho=0.5' or 'FedIA rho=0.5, beta=0.3' for cell g."""
+  if not cells.fedia[g]:
+    return base
+  if not cells.momentum[g]:
+    return f"{base}+IM rho={cells.rho[g]:g}"
+  return f"FedIA rho={cells.rho[g]:g}, beta={cells.beta[g]:g}"
 
 
 def grid_cells(rhos: Sequence[float], betas: Sequence[float], with_fedavg: bool = True) -> Cells:
@@ -97,7 +118,7 @@ def describe_nonfinite(nonfinite: np.ndarray, first_round: int, federation: Fede
     nonfinite: bool[S, G', L, C] of a chunk starting at round ``first_round``.
   """
   s, g, t, k = np.argwhere(nonfinite)[0]
-  cell = (f"FedIA rho={cells.rho[g]:g}, beta={cells.beta[g]:g}" if cells.fedia[g] else "FedAvg")
+  cell = describe_cell(cells, g)
   domain = federation.domains[federation.client_domain[k]]
   return (f"client {k} (domain {domain}) sent a non-finite update in round {first_round + t + 1} "
           f"(seed {federation.seeds[s]}, {cell}); {int(nonfinite.sum())} such update(s) in "
@@ -123,7 +144,8 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
               chunk: int = 10, progress: bool = True, description: Optional[str] = None,
               simulation: Optional[Simulation] = None, nonfinite: str = "error",
               checkpoint_path: Optional[pathlib.Path] = None, checkpoint_every: int = 1,
-              fingerprint: str = "", diagnostics: Optional[DiagnosticsSpec] = None) -> History:
+              fingerprint: str = "", diagnostics: Optional[DiagnosticsSpec] = None,
+              method: str = "fedavg", method_hparams: Optional[dict] = None) -> History:
   """Runs every (seed, cell) of the batch for ``rounds`` rounds.
 
   Args:
@@ -147,6 +169,7 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     fingerprint: identifies the sweep's setup (``checkpoint.fingerprint``).
     diagnostics: compute update diagnostics at these rounds (not with
       checkpoints, which keep only the plain history).
+    method, method_hparams: the base method (``methods.make_method``).
 
   Returns:
     The full history (rounds from a resumed checkpoint included).
@@ -159,7 +182,7 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
   check_sweep_args(rounds, chunk, checkpoint_every, nonfinite)
   if diagnostics is not None and checkpoint_path is not None:
     raise ValueError("diagnostics runs are not checkpointed; drop one of the two")
-  sim = simulation or make_simulation(config, federation, diagnostics)
+  sim = simulation or make_simulation(config, federation, diagnostics, method, method_hparams)
   data = sim_data(federation)
   device_cells = jax.device_put(cells)
   state = sim.init(np.asarray(federation.seeds, np.int32), device_cells)

@@ -90,12 +90,16 @@ def test_server_step_fedia_rho1_beta1_equals_uniform_fedavg(setup):
   num_clients = federation.num_clients
   params = {"w": jnp.arange(6.0).reshape(2, 3)}
   updates = {"w": jax.random.normal(jax.random.PRNGKey(0), (num_clients, 2, 3))}
-  state = simulation.SimState(params, aggregators.fedia().init(num_clients), jax.random.PRNGKey(0))
+  state = simulation.SimState(params, aggregators.fedia().init(num_clients),
+                              sim.method.init(params, num_clients), jax.random.PRNGKey(0),
+                              jax.random.PRNGKey(1))
   losses = jnp.zeros((num_clients, cfg.local_steps))
   equal_counts = jnp.ones(num_clients)
   run = jax.jit(sim.aggregate)
-  fedia_cell = simulation.Cells(jnp.float32(1.0), jnp.float32(1.0), jnp.bool_(True), 0)
-  fedavg_cell = simulation.Cells(jnp.float32(1.0), jnp.float32(1.0), jnp.bool_(False), 1)
+  fedia_cell = simulation.Cells(jnp.float32(1.0), jnp.float32(1.0), jnp.bool_(True), 0,
+                                jnp.bool_(True))
+  fedavg_cell = simulation.Cells(jnp.float32(1.0), jnp.float32(1.0), jnp.bool_(False), 1,
+                                 jnp.bool_(False))
   new_ia, _ = run(state, fedia_cell, updates, losses, equal_counts)
   new_avg, _ = run(state, fedavg_cell, updates, losses, equal_counts)
   expected = params["w"] - cfg.lr * updates["w"].mean(0)

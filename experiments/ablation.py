@@ -1,0 +1,68 @@
+"""FedAvg, FedAvg+IM and FedAvg+IM+CAM (FedIA) per setting: the paper's Table 6.
+
+  python experiments/ablation.py --dataset twitch --settings s1,s3 --seeds 0,1,2
+
+One compiled sweep per setting runs the three aggregations for all seeds, at
+FedAvg's (rho, beta) from configs/methods/defaults.yaml (the paper's Table 7).
+A run that does not converge (NaN accuracy, or one class predicted on every
+domain through the final rounds) is reported as NC instead of a number.
+Writes table.md, table.csv, table.tex, table.png, config.json and
+runs/<setting>.npz into --out; an interrupted run continues with --resume DIR.
+"""
+
+import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import yaml  # noqa: E402
+
+from fedjax_graph import cli, methods  # noqa: E402
+from fedjax_graph.comparison import resume_ablation, run_ablation  # noqa: E402
+from fedjax_graph.config import load_preset  # noqa: E402
+from fedjax_graph.sweep import NonFiniteUpdateError  # noqa: E402
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  cli.add_federation_flags(parser)
+  cli.add_sweep_flags(parser)
+  cli.add_output_flags(parser)
+  parser.add_argument("--settings", type=cli.str_list, default="s1,s3",
+                      help="comma list of presets of --dataset (default: %(default)s)")
+  parser.add_argument("--method-config", type=pathlib.Path, default=methods.METHODS_FILE,
+                      help="YAML with FedAvg's (rho, beta) per setting "
+                           "(default: configs/methods/defaults.yaml)")
+  args = parser.parse_args(argv)
+  try:
+    if args.resume:
+      resume_ablation(args.resume, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
+                      progress=not args.no_progress, verify=not args.no_verify,
+                      nonfinite=args.nonfinite)
+      return
+    if args.dataset is None:
+      parser.error("--dataset is required (unless --resume DIR)")
+    if not args.settings or len(set(args.settings)) != len(args.settings):
+      parser.error(f"settings = {args.settings}; give at least one, without repeats")
+    configs = [load_preset(args.dataset, s, backbone=args.backbone,
+                           participation=args.participation) for s in args.settings]
+    with open(args.method_config) as f:
+      defaults = yaml.safe_load(f)
+    run_ablation(configs, args.seeds, args.rounds, cli.last_from_args(args), out_dir=args.out,
+                 defaults=defaults, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
+                 chunk=args.chunk, progress=not args.no_progress,
+                 nonfinite=args.nonfinite or "skip", checkpoint_every=args.checkpoint_every,
+                 overwrite=args.overwrite, verify=not args.no_verify)
+  except (ValueError, yaml.YAMLError) as err:
+    parser.error(str(err))
+  except (OSError, NonFiniteUpdateError) as err:
+    sys.exit(f"error: {err}")
+  except KeyboardInterrupt:
+    sys.exit("interrupted; finished settings and the running one's last checkpoint are kept: "
+             "continue with --resume DIR")
+
+
+if __name__ == "__main__":
+  main()

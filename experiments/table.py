@@ -1,0 +1,69 @@
+"""Base methods alone and "+FedIA": the paper-style comparison table (FedIA paper, Tables 2-5).
+
+  python experiments/table.py --dataset twitch --setting s3 \
+      --methods fedavg,fedprox,moon,feddyn,fedopt,scaffold --seeds 0,1,2
+  python experiments/table.py --dataset wikinet --select val
+
+Each method runs with all seeds in one compiled program, its own aggregation
+next to its "+FedIA" cell. (rho, beta) come from configs/methods/defaults.yaml
+(the paper's Table 7 for Twitch, 0.5/0.5 otherwise) or, with --select val,
+from the best validation AVG over the 5x5 grid. Writes table.md, table.csv,
+table.tex, table.png, config.json and runs/<method>.npz into --out. An
+interrupted table continues with --resume DIR.
+"""
+
+import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import yaml  # noqa: E402
+
+from fedjax_graph import cli, methods  # noqa: E402
+from fedjax_graph.comparison import SELECTIONS, resume_table, run_table  # noqa: E402
+from fedjax_graph.sweep import NonFiniteUpdateError  # noqa: E402
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  cli.add_federation_flags(parser)
+  cli.add_sweep_flags(parser)
+  cli.add_output_flags(parser)
+  parser.add_argument("--methods", type=cli.str_list, default=",".join(methods.METHODS),
+                      help="comma list of base methods from " + ", ".join(methods.METHODS)
+                           + " (default: all)")
+  parser.add_argument("--select", choices=SELECTIONS, default="fixed",
+                      help="(rho, beta) of +FedIA: fixed (from --method-config) or val (best "
+                           "validation AVG over the 5x5 grid, one sweep per method) "
+                           "(default: %(default)s)")
+  parser.add_argument("--method-config", type=pathlib.Path, default=methods.METHODS_FILE,
+                      help="YAML with each method's hyper-parameters and (rho, beta) "
+                           "(default: configs/methods/defaults.yaml)")
+  args = parser.parse_args(argv)
+  try:
+    if args.resume:
+      resume_table(args.resume, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
+                   progress=not args.no_progress, verify=not args.no_verify,
+                   nonfinite=args.nonfinite)
+      return
+    config = cli.config_from_args(parser, args)
+    with open(args.method_config) as f:
+      defaults = yaml.safe_load(f)
+    run_table(config, args.methods, args.seeds, args.rounds, cli.last_from_args(args),
+              select=args.select, out_dir=args.out, defaults=defaults, raw_dir=args.raw_dir,
+              cache_dir=args.cache_dir, chunk=args.chunk, progress=not args.no_progress,
+              nonfinite=args.nonfinite or "skip", checkpoint_every=args.checkpoint_every,
+              overwrite=args.overwrite, verify=not args.no_verify)
+  except (ValueError, yaml.YAMLError) as err:
+    parser.error(str(err))
+  except (OSError, NonFiniteUpdateError) as err:
+    sys.exit(f"error: {err}")
+  except KeyboardInterrupt:
+    sys.exit("interrupted; finished methods and the running one's last checkpoint are kept: "
+             "continue with --resume DIR")
+
+
+if __name__ == "__main__":
+  main()
