@@ -1,4 +1,4 @@
-"""FedAvg, FedAvg+IM and FedAvg+IM+CAM (FedIA) per setting: the paper's Table 6.
+r"""FedAvg, FedAvg+IM and FedAvg+IM+CAM (FedIA) per setting: the paper's Table 6.
 
   python experiments/ablation.py --dataset twitch --settings s1,s3 --seeds 0,1,2
 
@@ -16,8 +16,6 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import yaml  # noqa: E402
-
 from fedjax_graph import cli, methods  # noqa: E402
 from fedjax_graph.comparison import resume_ablation, run_ablation  # noqa: E402
 from fedjax_graph.config import load_preset  # noqa: E402
@@ -30,8 +28,9 @@ def main(argv=None):
   cli.add_federation_flags(parser)
   cli.add_sweep_flags(parser)
   cli.add_output_flags(parser)
-  parser.add_argument("--settings", type=cli.str_list, default="s1,s3",
-                      help="comma list of presets of --dataset (default: %(default)s)")
+  parser.add_argument("--settings", type=cli.str_list, default=None,
+                      help="comma list of presets of --dataset (default: s1,s3 for twitch, "
+                           "default for wikinet; --setting X alone means X)")
   parser.add_argument("--method-config", type=pathlib.Path, default=methods.METHODS_FILE,
                       help="YAML with FedAvg's (rho, beta) per setting "
                            "(default: configs/methods/defaults.yaml)")
@@ -44,24 +43,29 @@ def main(argv=None):
       return
     if args.dataset is None:
       parser.error("--dataset is required (unless --resume DIR)")
+    if args.settings is None:
+      args.settings = ([args.setting] if args.setting
+                       else ["s1", "s3"] if args.dataset == "twitch" else ["default"])
+    elif args.setting and args.setting not in args.settings:
+      parser.error(f"--setting {args.setting} is not in --settings {','.join(args.settings)}; "
+                   "give one of the two")
     if not args.settings or len(set(args.settings)) != len(args.settings):
       parser.error(f"settings = {args.settings}; give at least one, without repeats")
     configs = [load_preset(args.dataset, s, backbone=args.backbone,
                            participation=args.participation) for s in args.settings]
-    with open(args.method_config) as f:
-      defaults = yaml.safe_load(f)
+    defaults = methods.method_defaults(args.method_config)
     run_ablation(configs, args.seeds, args.rounds, cli.last_from_args(args), out_dir=args.out,
                  defaults=defaults, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
                  chunk=args.chunk, progress=not args.no_progress,
                  nonfinite=args.nonfinite or "skip", checkpoint_every=args.checkpoint_every,
                  overwrite=args.overwrite, verify=not args.no_verify)
-  except (ValueError, yaml.YAMLError) as err:
+  except ValueError as err:
     parser.error(str(err))
   except (OSError, NonFiniteUpdateError) as err:
     sys.exit(f"error: {err}")
   except KeyboardInterrupt:
-    sys.exit("interrupted; finished settings and the running one's last checkpoint are kept: "
-             "continue with --resume DIR")
+    sys.exit("interrupted; finished settings (and the running one's last checkpoint, if one was "
+             "written) are kept: continue with --resume on the output folder")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Base methods alone and "+FedIA": the paper-style comparison table (FedIA paper, Tables 2-5).
+r"""Base methods alone and "+FedIA": the paper-style comparison table (FedIA paper, Tables 2-5).
 
   python experiments/table.py --dataset twitch --setting s3 \
       --methods fedavg,fedprox,moon,feddyn,fedopt,scaffold --seeds 0,1,2
@@ -17,8 +17,6 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-
-import yaml  # noqa: E402
 
 from fedjax_graph import cli, methods  # noqa: E402
 from fedjax_graph.comparison import SELECTIONS, resume_table, run_table  # noqa: E402
@@ -49,20 +47,19 @@ def main(argv=None):
                    nonfinite=args.nonfinite)
       return
     config = cli.config_from_args(parser, args)
-    with open(args.method_config) as f:
-      defaults = yaml.safe_load(f)
+    defaults = methods.method_defaults(args.method_config)
     run_table(config, args.methods, args.seeds, args.rounds, cli.last_from_args(args),
               select=args.select, out_dir=args.out, defaults=defaults, raw_dir=args.raw_dir,
               cache_dir=args.cache_dir, chunk=args.chunk, progress=not args.no_progress,
               nonfinite=args.nonfinite or "skip", checkpoint_every=args.checkpoint_every,
               overwrite=args.overwrite, verify=not args.no_verify)
-  except (ValueError, yaml.YAMLError) as err:
+  except ValueError as err:
     parser.error(str(err))
   except (OSError, NonFiniteUpdateError) as err:
     sys.exit(f"error: {err}")
   except KeyboardInterrupt:
-    sys.exit("interrupted; finished methods and the running one's last checkpoint are kept: "
-             "continue with --resume DIR")
+    sys.exit("interrupted; finished methods (and the running one's last checkpoint, if one was "
+             "written) are kept: continue with --resume on the output folder")
 
 
 if __name__ == "__main__":

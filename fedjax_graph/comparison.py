@@ -12,7 +12,6 @@ are the command lines.
 
 import json
 import pathlib
-import shutil
 import time
 from typing import Mapping, NamedTuple, Optional, Sequence
 
@@ -23,7 +22,8 @@ from fedjax_graph import report, tables
 from fedjax_graph.checkpoint import fingerprint
 from fedjax_graph.config import Config
 from fedjax_graph.data import Federation, build_federation, load_dataset
-from fedjax_graph.experiment import check_run_args, default_out_dir, prepare_out_dir, provenance
+from fedjax_graph.experiment import (check_run_args, default_out_dir, prepare_out_dir, provenance,
+                                     remove_outputs)
 from fedjax_graph.models import make_model
 from fedjax_graph.sweep import Cells, grid_cells, make_cells, run_sweep
 
@@ -103,13 +103,21 @@ def run_cells(config: Config, federation: Federation, cells: Cells, key: str, me
                       checkpoint_every=checkpoint_every, method=method,
                       method_hparams=dict(hparams),
                       fingerprint=fingerprint({**setup, "run": key}))
+  # Cell values as the user gave them (0.9, not float32's 0.8999999761581421).
+  as_given = lambda values: np.round(np.asarray(values, np.float64), 6)
   result = RunResult(history.test_acc, history.val_acc, history.predicted_classes,
-                     history.nonfinite, history.alpha, np.asarray(cells.rho, np.float64),
-                     np.asarray(cells.beta, np.float64), np.asarray(cells.fedia),
-                     np.asarray(cells.momentum), time.perf_counter() - start)
-  report.write_history(path, **result._asdict())
+                     history.nonfinite, history.alpha, as_given(cells.rho), as_given(cells.beta),
+                     np.asarray(cells.fedia), np.asarray(cells.momentum),
+                     time.perf_counter() - start)
+  report.write_history(path, **result._asdict(), domains=np.asarray(federation.domains),
+                       seeds=np.asarray(federation.seeds))
   checkpoint.unlink(missing_ok=True)
   return result
+
+
+def validation_avg(result: RunResult, g: int, last: int) -> float:
+  """Cell g's validation AVG (%): mean over seeds of the final-rounds mean."""
+  return float(tables.final_accuracy(result.val_acc[:, g], last)[:, -1].mean())
 
 
 def select_cell(result: RunResult, select: str, last: int) -> int:
@@ -117,8 +125,7 @@ def select_cell(result: RunResult, select: str, last: int) -> int:
   candidates = np.flatnonzero(result.fedia & result.momentum)
   if select == "fixed" or len(candidates) == 1:
     return int(candidates[0])
-  val_avg = np.array([tables.final_accuracy(result.val_acc[:, g], last)[:, -1].mean()
-                      for g in candidates])
+  val_avg = np.array([validation_avg(result, g, last) for g in candidates])
   if np.isnan(val_avg).all():  # every cell failed: report the first, shown as NC
     return int(candidates[0])
   return int(candidates[int(np.nanargmax(val_avg))])
@@ -127,14 +134,14 @@ def select_cell(result: RunResult, select: str, last: int) -> int:
 def make_row(result: RunResult, g: int, label: str, method: str, variant: str,
              last: int) -> tables.TableRow:
   """The table row of cell ``g`` of a run (deltas filled in by ``add_deltas``)."""
-  per_seed = tables.final_accuracy(result.test_acc[:, g], last)
+  mean, std = tables.final_spread(result.test_acc[:, g], last)
   status = tables.convergence_status(result.test_acc[:, g], result.predicted_classes[:, g],
                                      int(result.nonfinite[:, g].sum()), last)
   uses_mask, uses_momentum = bool(result.fedia[g]), bool(result.momentum[g])
   return tables.TableRow(label, method, variant,
                          float(result.rho[g]) if uses_mask else None,
                          float(result.beta[g]) if uses_momentum else None,
-                         per_seed.mean(axis=0), per_seed.std(axis=0), None, None, status)
+                         mean, std, None, None, status)
 
 
 def add_deltas(rows: Sequence[tables.TableRow]) -> list[tables.TableRow]:
@@ -150,19 +157,30 @@ def add_deltas(rows: Sequence[tables.TableRow]) -> list[tables.TableRow]:
   return out
 
 
-def _clear(out_dir: pathlib.Path) -> None:
-  """Removes a previous table's per-run files (on --overwrite)."""
-  shutil.rmtree(out_dir / RUNS, ignore_errors=True)
-  for path in out_dir.glob("checkpoint-*.msgpack"):
-    path.unlink()
-  for path in out_dir.glob("table*.*"):
-    path.unlink()
+def _checked(defaults: Optional[Mapping]) -> dict:
+  if defaults is None:
+    return methods_lib.method_defaults()
+  return methods_lib.check_method_config(dict(defaults))
 
 
-def _start(out_dir, resume, overwrite) -> None:
-  prepare_out_dir(out_dir, resume, overwrite, finished_marker=FINISHED)
-  if overwrite:
-    _clear(out_dir)
+def _remove_previous(out_dir: pathlib.Path, keys: Sequence[str]) -> None:
+  """On --overwrite: deletes this tool's files of the previous run and of the new keys, nothing else."""
+  try:
+    old = json.loads((out_dir / "config.json").read_text())
+    keys = list(keys) + list(old.get("methods") or []) + list(old.get("ablation") or {})
+  except (OSError, ValueError):
+    pass
+  remove_outputs(out_dir, [f"table.{ext}" for ext in ("md", "csv", "tex", "png")]
+                 + ["config.json"] + [f"checkpoint-{k}.msgpack" for k in keys]
+                 + [f"{RUNS}/{k}.npz" for k in keys])
+
+
+def _title(config: Config, rounds: int, seeds: Sequence[int], last: int) -> str:
+  spread = "± std over seeds" if len(seeds) > 1 else f"± std over the last {last} rounds"
+  participation = (f", {config.participation:g} of clients per round"
+                   if config.participation < 1 else "")
+  return (f"{config.dataset} {config.setting}, {config.backbone}, {rounds} rounds, seeds "
+          f"{list(seeds)}, mean of the last {last} rounds {spread}{participation}")
 
 
 def _record(setup: Mapping, federation: Federation, meta: Mapping, **extra) -> dict:
@@ -200,27 +218,29 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
   check_run_args(rounds, last, seeds, chunk, checkpoint_every, nonfinite)
   if select not in SELECTIONS:
     raise ValueError(f"select = {select!r}; choose one of {SELECTIONS}")
-  defaults = defaults or methods_lib.method_defaults()
+  defaults = _checked(defaults)
   check_methods(method_names, config, defaults)
   out_dir = pathlib.Path(out_dir) if out_dir else default_out_dir(config, "table")
-  _start(out_dir, resume, overwrite)
+  prepare_out_dir(out_dir, resume, overwrite, finished_marker=FINISHED)
   meta = {}
   if domain_graphs is None:
     domain_graphs, meta = load_dataset(config.dataset, raw_dir, cache_dir, verify)
   federation = build_federation(config, domain_graphs, seeds)
+  if overwrite:
+    _remove_previous(out_dir, method_names)
   out_dir.mkdir(parents=True, exist_ok=True)
 
   hparams = {m: dict(defaults["hparams"].get(m, {})) for m in method_names}
   settings = {m: fedia_setting(defaults, config.dataset, config.setting, m) for m in method_names}
   setup = {"config": config.to_dict(), "methods": list(method_names), "hparams": hparams,
-           "fedia": {m: list(v) for m, v in settings.items()}, "select": select,
-           "seeds": [int(s) for s in seeds], "rounds": rounds, "chunk": chunk}
+           "fedia": ({m: list(v) for m, v in settings.items()} if select == "fixed" else None),
+           "select": select, "seeds": [int(s) for s in seeds], "rounds": rounds, "chunk": chunk}
   record = _record(setup, federation, meta, last=last, nonfinite=nonfinite,
                    checkpoint_every=checkpoint_every, raw_dir=raw_dir and str(raw_dir),
                    cache_dir=cache_dir and str(cache_dir))
   report.write_json(out_dir / "config.json", record)
 
-  rows, seconds, chosen = [], {}, {}
+  rows, seconds, chosen, chosen_val = [], {}, {}, {}
   for name in method_names:
     cells = (grid_cells(GRID, GRID) if select == "val"
              else make_cells([(True, *settings[name]), (False, 1.0, 1.0)]))
@@ -232,13 +252,14 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
              make_row(result, g, f"{label}+FedIA", name, "+FedIA", last)]
     seconds[name], chosen[name] = float(result.seconds), [float(result.rho[g]),
                                                           float(result.beta[g])]
+    chosen_val[name] = validation_avg(result, g, last)
   rows = add_deltas(rows)
   domains = list(federation.domains)
-  title = (f"{config.dataset} {config.setting}, {config.backbone}, {rounds} rounds, "
-           f"seeds {list(seeds)}, last {last} rounds, (ρ, β) {select}")
+  title = _title(config, rounds, seeds, last) + f", (ρ, β) {select}"
   plot_table(rows, out_dir / "table.png", title)
   report.write_json(out_dir / "config.json", {**record, "status": "finished",
                                               "fedia_selected": chosen,
+                                              "fedia_selected_val_avg": chosen_val,
                                               "seconds_per_method": seconds})
   tables.write_tables(rows, domains, out_dir / "table", title)
   print(tables.to_markdown(rows, domains, title))
@@ -255,18 +276,21 @@ def plot_table(rows: Sequence[tables.TableRow], path: pathlib.Path, title: str) 
   fig = Figure(figsize=(1.2 + 0.55 * len(rows), 3.6))
   ax = fig.add_subplot()
   colors = {"base": "#8c8c8c", "+IM": "#6baed6", "+FedIA": "#2171b5"}
+  names = {"base": "base method", "+IM": "+IM (mask only)", "+FedIA": "+FedIA (IM+CAM)"}
+  seen = set()
   for i, row in enumerate(rows):
     ok = tables.converged(row)
+    label = names[row.variant] if row.variant not in seen else None
+    seen.add(row.variant)
     ax.bar(i, row.mean[-1] if ok else 0.0, yerr=row.std[-1] if ok else None, capsize=3,
-           color=colors.get(row.variant, "#2171b5"), hatch=None if ok else "//")
+           color=colors[row.variant], hatch=None if ok else "//", label=label)
     if not ok:
       ax.text(i, 0, "NC", ha="center", va="bottom", fontsize=8)
   ax.set_xticks(range(len(rows)), [r.label for r in rows], rotation=45, ha="right", fontsize=8)
-  ax.set_ylabel("AVG test accuracy (%)")
-  finite = [r.mean[-1] for r in rows if tables.converged(r)]
-  if finite:
-    ax.set_ylim(max(0.0, min(finite) - 10), min(100.0, max(finite) + 5))
-  ax.set_title(title, fontsize=8)
+  ax.set_ylabel("AVG test accuracy (%), ± std")
+  ax.set_ylim(0, 100)
+  ax.legend(fontsize=7, loc="upper right")
+  ax.set_title(title, fontsize=7, wrap=True)
   report.save_figure(fig, path)
 
 
@@ -325,14 +349,18 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
   check_run_args(rounds, last, seeds, chunk, checkpoint_every, nonfinite)
   if not configs or len({c.dataset for c in configs}) != 1:
     raise ValueError("give at least one setting, all of one dataset")
-  defaults = defaults or methods_lib.method_defaults()
+  defaults = _checked(defaults)
+  for config in configs:
+    check_methods(["fedavg"], config, defaults)
   settings = {c.setting: fedia_setting(defaults, c.dataset, c.setting, "fedavg") for c in configs}
   out_dir = pathlib.Path(out_dir) if out_dir else default_out_dir(configs[0], "ablation")
-  _start(out_dir, resume, overwrite)
+  prepare_out_dir(out_dir, resume, overwrite, finished_marker=FINISHED)
   meta = {}
   if domain_graphs is None:
     domain_graphs, meta = load_dataset(configs[0].dataset, raw_dir, cache_dir, verify)
   federations = {c.setting: build_federation(c, domain_graphs, seeds) for c in configs}
+  if overwrite:
+    _remove_previous(out_dir, list(settings))
   out_dir.mkdir(parents=True, exist_ok=True)
   hparams = dict(defaults["hparams"].get("fedavg", {}))
   setup = {"configs": [c.to_dict() for c in configs], "ablation": settings, "hparams": hparams,
@@ -353,8 +381,7 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
     rows = add_deltas([make_row(result, g, label, "fedavg", variant, last)
                        for g, (label, variant) in zip(order, ABLATION)])
     domains = list(federations[config.setting].domains)
-    title = (f"{config.dataset} {config.setting}, {config.backbone}, {rounds} rounds, seeds "
-             f"{list(seeds)}, ρ={rho:g}, β={beta:g}")
+    title = _title(config, rounds, seeds, last) + f", ρ={rho:g}, β={beta:g}"
     markdown.append(tables.to_markdown(rows, domains, title))
     csv_text.append(tables.to_csv([r._replace(label=f"{config.setting}:{r.label}") for r in rows],
                                   domains))

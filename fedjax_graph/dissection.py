@@ -21,7 +21,7 @@ from fedjax_graph import diagnostics, dissection_report, report
 from fedjax_graph.config import load_preset
 from fedjax_graph.data import build_federation, load_dataset
 from fedjax_graph.experiment import (check_run_args, default_out_dir, prepare_out_dir,
-                                     provenance)
+                                     provenance, remove_outputs)
 from fedjax_graph.models import BACKBONES, make_model
 from fedjax_graph.simulation import DiagnosticsSpec
 from fedjax_graph.sweep import make_cells, run_sweep
@@ -85,6 +85,8 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
   meta = {}
   if domain_graphs is None:
     domain_graphs, meta = load_dataset(dataset, raw_dir, cache_dir, verify)
+  if overwrite:
+    remove_outputs(out_dir, ("headline.json", "config.json"))
   out_dir.mkdir(parents=True, exist_ok=True)
 
   spec = DiagnosticsSpec(rounds=tuple(checkpoints), top=top)

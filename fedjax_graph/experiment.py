@@ -57,8 +57,9 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
                     finished_marker: str = "summary.csv", resumable: bool = True) -> None:
   """Refuses to clobber a run: a finished one needs ``overwrite``, an unfinished one ``resume``.
 
-  The folder itself is made by the caller once the data has loaded, so a
-  failure before that leaves nothing behind.
+  Nothing is deleted here: with ``overwrite``, the caller removes its own
+  outputs (``remove_outputs``) once the data has loaded, and makes the
+  folder, so a failure before that leaves everything as it was.
 
   Raises:
     ValueError: naming the folder and the flag that would proceed.
@@ -67,9 +68,8 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
   unfinished = not finished and ((out_dir / CHECKPOINT).exists()
                                  or (out_dir / "config.json").exists())
   if overwrite:
-    for name in OUTPUTS + (finished_marker,):
-      (out_dir / name).unlink(missing_ok=True)
-  elif resume:
+    return
+  if resume:
     if finished:
       raise ValueError(f"{out_dir} holds a finished run; nothing to resume "
                        "(to run it again, start it anew with --out and --overwrite)")
@@ -84,6 +84,12 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
   elif unfinished:
     raise ValueError(f"{out_dir} holds an unfinished run; continue it with --resume {out_dir} "
                      "or pass --overwrite to start again")
+
+
+def remove_outputs(out_dir: pathlib.Path, names) -> None:
+  """Deletes the named files of a previous run in ``out_dir`` (others' files are left alone)."""
+  for name in names:
+    (out_dir / name).unlink(missing_ok=True)
 
 
 MAX_SEED = 2**31 - 1
@@ -145,6 +151,8 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
   if domain_graphs is None:
     domain_graphs, meta = load_dataset(config.dataset, raw_dir, cache_dir, verify)
   federation = build_federation(config, domain_graphs, seeds)
+  if overwrite:
+    remove_outputs(out_dir, OUTPUTS)
   out_dir.mkdir(parents=True, exist_ok=True)
 
   setup = {"config": config.to_dict(), "rho": [float(r) for r in rhos],

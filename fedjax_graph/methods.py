@@ -394,10 +394,77 @@ def make_method(name: str, model: NodeClassifier, config: Config,
   unknown = sorted(set(hparams) - set(allowed))
   if unknown:
     raise ValueError(f"{name}: unknown hyper-parameter(s) {unknown}; valid: {allowed}")
-  return factory(model, config, **hparams)
+  try:
+    return factory(model, config, **hparams)
+  except TypeError as err:  # e.g. mu: "0.01" compared with 0
+    raise ValueError(f"{name}: a hyper-parameter has the wrong type in {hparams} ({err})")
 
 
 def method_defaults(path: pathlib.Path = METHODS_FILE) -> dict:
-  """``configs/methods/defaults.yaml``: hyper-parameters and FedIA's (rho, beta) per method."""
+  """Reads and checks a method config (default ``configs/methods/defaults.yaml``).
+
+  The file maps ``hparams`` to ``{method: {name: value}}`` (methods left out
+  take the functions' defaults) and ``fedia`` to ``{default: [rho, beta],
+  <dataset>: {<setting>: {method: [rho, beta]}}}``.
+
+  Raises:
+    ValueError: naming the file and the key of the first bad entry.
+    OSError: if the file cannot be read.
+  """
   with open(path) as f:
-    return yaml.safe_load(f)
+    try:
+      raw = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+      raise ValueError(f"{path}: not valid YAML ({err})")
+  return check_method_config(raw, str(path))
+
+
+def _pair(value, where: str) -> tuple[float, float]:
+  ok = (isinstance(value, (list, tuple)) and len(value) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
+  if not ok:
+    raise ValueError(f"{where} = {value!r}; must be [rho, beta], two numbers")
+  rho, beta = float(value[0]), float(value[1])
+  if not 0 < rho <= 1:
+    raise ValueError(f"{where}: rho = {rho:g}; the mask ratio must be in (0, 1]")
+  if not 0 <= beta <= 1:
+    raise ValueError(f"{where}: beta = {beta:g}; the momentum must be in [0, 1]")
+  return rho, beta
+
+
+def check_method_config(raw, source: str = "method config") -> dict:
+  """Checks the structure of a method config (see ``method_defaults``); returns it with defaults filled.
+
+  Raises:
+    ValueError: naming ``source`` and the key of the first bad entry.
+  """
+  def mapping(value, where):
+    if value is None:
+      return {}
+    if not isinstance(value, dict):
+      raise ValueError(f"{source}: {where} must be a mapping, got {value!r}")
+    return value
+
+  if not isinstance(raw, dict) or not raw:
+    raise ValueError(f"{source}: must be a mapping with the keys 'hparams' and 'fedia'")
+  unknown = sorted(set(raw) - {"hparams", "fedia"})
+  if unknown:
+    raise ValueError(f"{source}: unknown key(s) {unknown}; valid: ['fedia', 'hparams']")
+  hparams = mapping(raw.get("hparams"), "hparams")
+  for name, values in hparams.items():
+    if name not in METHODS:
+      raise ValueError(f"{source}: hparams.{name}: unknown method; choose from "
+                       f"{', '.join(METHODS)}")
+    hparams[name] = mapping(values, f"hparams.{name}")
+  fedia = mapping(raw.get("fedia"), "fedia")
+  fedia["default"] = _pair(fedia.get("default", [0.5, 0.5]), f"{source}: fedia.default")
+  for dataset, settings in fedia.items():
+    if dataset == "default":
+      continue
+    for setting, table in mapping(settings, f"fedia.{dataset}").items():
+      for name, pair in mapping(table, f"fedia.{dataset}.{setting}").items():
+        where = f"{source}: fedia.{dataset}.{setting}.{name}"
+        if name not in METHODS:
+          raise ValueError(f"{where}: unknown method; choose from {', '.join(METHODS)}")
+        _pair(pair, where)
+  return {"hparams": hparams, "fedia": fedia}

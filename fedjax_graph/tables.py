@@ -45,6 +45,23 @@ class TableRow(NamedTuple):
   status: str = "ok"
 
 
+def final_spread(test_acc: np.ndarray, last: int) -> tuple[np.ndarray, np.ndarray]:
+  """Mean and std f64[D + 1] percent of one cell: over seeds, or over the final rounds for one seed.
+
+  With 2+ seeds: mean and population std over seeds of each seed's mean over
+  the final ``last`` rounds. With one seed (the paper's protocol) the only
+  spread left is across the final rounds, as in grid.py's summary.csv.
+
+  Args:
+    test_acc: [S, T, D] accuracy fractions.
+  """
+  if test_acc.shape[0] >= 2:
+    per_seed = final_accuracy(test_acc, last)
+    return per_seed.mean(axis=0), per_seed.std(axis=0)
+  per_round = final_accuracy(test_acc[0, -last:, None, :], 1)  # each final round as a "seed"
+  return per_round.mean(axis=0), per_round.std(axis=0)
+
+
 def final_accuracy(test_acc: np.ndarray, last: int) -> np.ndarray:
   """f64[S, D + 1] percent: each seed's mean over the final ``last`` rounds, then AVG.
 
@@ -159,11 +176,11 @@ def to_latex(rows: Sequence[TableRow], domains: Sequence[str], caption: str = ""
   The last column is the change of AVG against FedAvg.
   """
   names = [_latex_escape(d) for d in domains] + ["AVG"]
-  lines = [r"\begin{table}[t]", r"\centering", r"\small",
+  lines = [r"% needs \usepackage{booktabs}", r"\begin{table}[t]", r"\centering", r"\small",
            r"\begin{tabular}{l" + "c" * (len(names) + 1) + "}", r"\toprule",
            "Method & " + " & ".join(names) + r" & $\Delta$ FedAvg \\", r"\midrule"]
   for i, row in enumerate(rows):
-    label = _latex_escape(row.label)
+    label = _latex_escape(row.label + (f" ({_hparams(row)})" if _hparams(row) else ""))
     if not converged(row):
       lines.append(f"{label} & \\multicolumn{{{len(names) + 1}}}{{c}}"
                    f"{{{_latex_escape(row.status)}}}" r" \\")
@@ -178,7 +195,7 @@ def to_latex(rows: Sequence[TableRow], domains: Sequence[str], caption: str = ""
       cells.append(cell + "$")
     cells.append(f"${_signed(row.delta_fedavg)}$" if _signed(row.delta_fedavg) else "")
     lines.append(f"{label} & " + " & ".join(cells) + r" \\")
-    if row.variant != "base" and i + 1 < len(rows):
+    if row.variant == "+FedIA" and i + 1 < len(rows):
       lines.append(r"\midrule")
   lines += [r"\bottomrule", r"\end{tabular}"]
   if caption:

@@ -112,3 +112,36 @@ def test_ablation_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, 
   np.testing.assert_allclose(run.alpha[:, 0], run.alpha[:, 2], rtol=1e-5)
   assert not np.allclose(run.alpha[:, 1, -1], run.alpha[:, 2, -1])
   assert "FedAvg+IM+CAM" in (out / "table.md").read_text()
+
+
+def test_overwrite_removes_only_its_own_files_and_only_after_the_data_loads(
+    tiny_config, tiny_wikinet, tmp_path, capsys):
+  out = tmp_path / "paper"
+  kwargs = dict(method_names=["fedavg"], seeds=[0], rounds=1, last=1, progress=False)
+  comparison.run_table(tiny_config, out_dir=out, domain_graphs=tiny_wikinet, **kwargs)
+  (out / "table_notes.txt").write_text("mine")
+  (out / "runs" / "keep.npz").write_bytes(b"mine")
+  # The data cannot load: nothing is removed.
+  with pytest.raises(OSError):
+    comparison.run_table(tiny_config, out_dir=out, overwrite=True,
+                         raw_dir=tmp_path / "missing", cache_dir=tmp_path / "cache", **kwargs)
+  assert (out / "table.md").exists() and (out / "runs" / "fedavg.npz").exists()
+  comparison.run_table(tiny_config, out_dir=out, overwrite=True, domain_graphs=tiny_wikinet,
+                       **kwargs)
+  assert (out / "table_notes.txt").read_text() == "mine"
+  assert (out / "runs" / "keep.npz").read_bytes() == b"mine"
+
+
+def test_ablation_checks_its_config_before_writing_and_picks_default_settings(
+    tmp_path, capsys):
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("fedia: {wikinet: {default: {fedavg: [1.5, 0.5]}}}\n")
+  out = tmp_path / "abl"
+  err = usage_error("ablation", ["--dataset", "wikinet", "--method-config", str(bad), "--out",
+                                 str(out)], capsys)
+  assert "fedia.wikinet.default.fedavg: rho = 1.5" in err and not out.exists()
+  err = usage_error("ablation", ["--dataset", "wikinet", "--settings", "s1"], capsys)
+  assert "unknown wikinet setting 's1'" in err
+  err = usage_error("ablation", ["--dataset", "twitch", "--setting", "s2", "--settings", "s1,s3"],
+                    capsys)
+  assert "--setting s2 is not in --settings s1,s3" in err

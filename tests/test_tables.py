@@ -99,3 +99,29 @@ def test_select_val_picks_the_best_validation_cell_not_the_best_test_cell():
                    beta=(0.1, 0.1, 0.1, 1.0))
   assert comparison.select_cell(result, "val", last=1) == 2
   assert comparison.select_cell(result, "fixed", last=1) == 0
+
+
+def test_one_seed_spread_is_over_the_final_rounds():
+  acc = np.array([[[0.5, 0.7], [0.6, 0.8], [0.7, 0.9]]])  # one seed, T=3, D=2
+  mean, std = tables.final_spread(acc, last=2)
+  np.testing.assert_allclose(mean, [65.0, 85.0, 75.0])
+  np.testing.assert_allclose(std, [5.0, 5.0, 5.0], rtol=1e-6)
+
+
+def test_method_config_errors_name_the_file_and_key():
+  from fedjax_graph import methods
+  check = lambda raw: methods.check_method_config(raw, "my.yaml")
+  with pytest.raises(ValueError, match="my.yaml: must be a mapping with the keys"):
+    check(None)
+  with pytest.raises(ValueError, match=r"my.yaml: unknown key\(s\) \['colour'\]"):
+    check({"hparams": {}, "colour": 1})
+  with pytest.raises(ValueError, match="my.yaml: hparams.fedprx: unknown method"):
+    check({"hparams": {"fedprx": {"mu": 5.0}}})
+  with pytest.raises(ValueError, match=r"my.yaml: fedia.default = 0.5; must be \[rho, beta\]"):
+    check({"fedia": {"default": 0.5}})
+  with pytest.raises(ValueError, match=r"fedia.twitch.s1.moon: rho = 1.5; the mask ratio"):
+    check({"fedia": {"twitch": {"s1": {"moon": [1.5, 0.5]}}}})
+  with pytest.raises(ValueError, match="fedia.twitch.s1.moon = \\['a', 0.5\\]"):
+    check({"fedia": {"twitch": {"s1": {"moon": ["a", 0.5]}}}})
+  ok = check({"hparams": {"fedprox": {"mu": 0.1}}})
+  assert ok["fedia"]["default"] == (0.5, 0.5) and ok["hparams"]["fedprox"] == {"mu": 0.1}
