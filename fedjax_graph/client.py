@@ -20,7 +20,6 @@ import optax
 
 from fedjax_graph import methods as methods_lib
 from fedjax_graph.config import Config
-from fedjax_graph.graphs import Graph
 from fedjax_graph.models import NodeClassifier
 from fedjax_graph.types import Array, PyTree
 
