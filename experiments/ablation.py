@@ -19,7 +19,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from fedjax_graph import cli, methods  # noqa: E402
 from fedjax_graph.comparison import resume_ablation, run_ablation  # noqa: E402
 from fedjax_graph.config import load_preset  # noqa: E402
-from fedjax_graph.sweep import NonFiniteUpdateError  # noqa: E402
 
 
 def main(argv=None):
@@ -35,12 +34,10 @@ def main(argv=None):
                       help="YAML with FedAvg's (rho, beta) per setting "
                            "(default: configs/methods/defaults.yaml)")
   args = parser.parse_args(argv)
-  try:
+
+  def run():
     if args.resume:
-      resume_ablation(args.resume, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
-                      progress=not args.no_progress, verify=not args.no_verify,
-                      nonfinite=args.nonfinite)
-      return
+      return resume_ablation(args.resume, **cli.resume_kwargs(args))
     if args.dataset is None:
       parser.error("--dataset is required (unless --resume DIR)")
     if args.settings is None:
@@ -53,20 +50,13 @@ def main(argv=None):
       parser.error(f"settings = {args.settings}; give at least one, without repeats")
     configs = [load_preset(args.dataset, s, backbone=args.backbone,
                            participation=args.participation) for s in args.settings]
-    defaults = methods.method_defaults(args.method_config)
-    run_ablation(configs, args.seeds, args.rounds, cli.last_from_args(args), out_dir=args.out,
-                 defaults=defaults, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
-                 chunk=args.chunk, progress=not args.no_progress,
-                 nonfinite=args.nonfinite or "skip", checkpoint_every=args.checkpoint_every,
-                 overwrite=args.overwrite, verify=not args.no_verify)
-  except ValueError as err:
-    parser.error(str(err))
-  except (OSError, NonFiniteUpdateError) as err:
-    sys.exit(f"error: {err}")
-  except KeyboardInterrupt:
-    sys.exit("interrupted; finished settings (and the running one's last checkpoint, if one was "
-             "written) are kept: continue with --resume on the output folder")
+    return run_ablation(configs, args.seeds, args.rounds, cli.last_from_args(args),
+                        defaults=methods.method_defaults(args.method_config),
+                        **cli.run_kwargs(args, nonfinite="skip"))
 
+  cli.guarded(parser, run, "interrupted; finished settings (and the running one's last "
+                           "checkpoint, if one was written) are kept: continue with --resume on "
+                           "the output folder")
 
 if __name__ == "__main__":
   main()

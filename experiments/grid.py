@@ -18,7 +18,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from fedjax_graph import cli  # noqa: E402
 from fedjax_graph.experiment import resume_grid, run_grid  # noqa: E402
-from fedjax_graph.sweep import NonFiniteUpdateError  # noqa: E402
 
 
 def main(argv=None):
@@ -32,26 +31,16 @@ def main(argv=None):
                       help="FedIA momentum factors, comma list in [0, 1] (default: %(default)s)")
   cli.add_output_flags(parser)
   args = parser.parse_args(argv)
-  try:
-    if args.resume:
-      resume_grid(args.resume, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
-                  progress=not args.no_progress, verify=not args.no_verify,
-                  nonfinite=args.nonfinite)
-      return
-    config = cli.config_from_args(parser, args)
-    run_grid(config, args.rho, args.beta, args.seeds, args.rounds, cli.last_from_args(args),
-             out_dir=args.out,
-             raw_dir=args.raw_dir, cache_dir=args.cache_dir, chunk=args.chunk,
-             progress=not args.no_progress, nonfinite=args.nonfinite or "error",
-             checkpoint_every=args.checkpoint_every, overwrite=args.overwrite,
-             verify=not args.no_verify)
-  except ValueError as err:
-    parser.error(str(err))
-  except (OSError, NonFiniteUpdateError) as err:  # Missing files, no network, bad paths.
-    sys.exit(f"error: {err}")
-  except KeyboardInterrupt:
-    sys.exit("interrupted; the run's last checkpoint is kept: continue it with --resume DIR")
 
+  def run():
+    if args.resume:
+      return resume_grid(args.resume, **cli.resume_kwargs(args))
+    config = cli.config_from_args(parser, args)
+    return run_grid(config, args.rho, args.beta, args.seeds, args.rounds,
+                    cli.last_from_args(args), **cli.run_kwargs(args, nonfinite="error"))
+
+  cli.guarded(parser, run, "interrupted; the run's last checkpoint is kept: continue it with "
+                           "--resume DIR")
 
 if __name__ == "__main__":
   main()

@@ -20,7 +20,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from fedjax_graph import cli, methods  # noqa: E402
 from fedjax_graph.comparison import SELECTIONS, resume_table, run_table  # noqa: E402
-from fedjax_graph.sweep import NonFiniteUpdateError  # noqa: E402
 
 
 def main(argv=None):
@@ -40,27 +39,18 @@ def main(argv=None):
                       help="YAML with each method's hyper-parameters and (rho, beta) "
                            "(default: configs/methods/defaults.yaml)")
   args = parser.parse_args(argv)
-  try:
-    if args.resume:
-      resume_table(args.resume, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
-                   progress=not args.no_progress, verify=not args.no_verify,
-                   nonfinite=args.nonfinite)
-      return
-    config = cli.config_from_args(parser, args)
-    defaults = methods.method_defaults(args.method_config)
-    run_table(config, args.methods, args.seeds, args.rounds, cli.last_from_args(args),
-              select=args.select, out_dir=args.out, defaults=defaults, raw_dir=args.raw_dir,
-              cache_dir=args.cache_dir, chunk=args.chunk, progress=not args.no_progress,
-              nonfinite=args.nonfinite or "skip", checkpoint_every=args.checkpoint_every,
-              overwrite=args.overwrite, verify=not args.no_verify)
-  except ValueError as err:
-    parser.error(str(err))
-  except (OSError, NonFiniteUpdateError) as err:
-    sys.exit(f"error: {err}")
-  except KeyboardInterrupt:
-    sys.exit("interrupted; finished methods (and the running one's last checkpoint, if one was "
-             "written) are kept: continue with --resume on the output folder")
 
+  def run():
+    if args.resume:
+      return resume_table(args.resume, **cli.resume_kwargs(args))
+    config = cli.config_from_args(parser, args)
+    return run_table(config, args.methods, args.seeds, args.rounds, cli.last_from_args(args),
+                     select=args.select, defaults=methods.method_defaults(args.method_config),
+                     **cli.run_kwargs(args, nonfinite="skip"))
+
+  cli.guarded(parser, run, "interrupted; finished methods (and the running one's last "
+                           "checkpoint, if one was written) are kept: continue with --resume on "
+                           "the output folder")
 
 if __name__ == "__main__":
   main()

@@ -2,6 +2,8 @@
 
 import argparse
 import pathlib
+import sys
+from typing import Callable
 
 from fedjax_graph.config import Config, load_preset
 from fedjax_graph.models import BACKBONES
@@ -99,3 +101,34 @@ def config_from_args(parser: argparse.ArgumentParser, args) -> Config:
                        participation=args.participation)
   except ValueError as err:
     parser.error(str(err))
+
+
+def resume_kwargs(args) -> dict:
+  """The flags that still apply when a script resumes a run (``resume_*`` keyword arguments)."""
+  return dict(raw_dir=args.raw_dir, cache_dir=args.cache_dir, progress=not args.no_progress,
+              verify=not args.no_verify, nonfinite=args.nonfinite)
+
+
+def run_kwargs(args, nonfinite: str) -> dict:
+  """Data locations and run controls shared by ``run_grid``, ``run_table`` and ``run_ablation``.
+
+  ``nonfinite`` is the script's default policy when ``--nonfinite`` is not given.
+  """
+  return dict(out_dir=args.out, raw_dir=args.raw_dir, cache_dir=args.cache_dir, chunk=args.chunk,
+              progress=not args.no_progress, nonfinite=args.nonfinite or nonfinite,
+              checkpoint_every=args.checkpoint_every, overwrite=args.overwrite,
+              verify=not args.no_verify)
+
+
+def guarded(parser: argparse.ArgumentParser, run: Callable[[], object], interrupted: str) -> None:
+  """Runs a script's body: a bad value is a usage error, a failure or Ctrl-C one line, no traceback."""
+  from fedjax_graph.sweep import NonFiniteUpdateError  # the sweep's import cost only here
+
+  try:
+    run()
+  except ValueError as err:
+    parser.error(str(err))
+  except (OSError, NonFiniteUpdateError) as err:  # Missing files, no network, bad paths.
+    sys.exit(f"error: {err}")
+  except KeyboardInterrupt:
+    sys.exit(interrupted)
