@@ -76,7 +76,7 @@ from fedjax_graph.config import Config
 from fedjax_graph.models import NodeClassifier
 from fedjax_graph.types import Array, PyTree
 
-METHODS_FILE = pathlib.Path(__file__).resolve().parent.parent / "configs" / "methods" / "defaults.yaml"
+METHODS_FILE = pathlib.Path(__file__).resolve().parents[1] / "configs/methods/defaults.yaml"
 
 
 class MethodState(NamedTuple):
@@ -98,13 +98,10 @@ class Method(NamedTuple):
     hparams: its hyper-parameters (static: they are closed over).
     uniform_weights: its own averaging weighs participants uniformly (True)
       or by their training-node counts (False).
-    uses_hidden: its local loss reads the representation before the
-      classifier.
   """
   name: str
   hparams: Mapping[str, Any]
   uniform_weights: bool
-  uses_hidden: bool
   init: Callable
   prepare: Callable
   local_loss: Callable
@@ -182,7 +179,7 @@ def _descent_step(config: Config):
 
 def fedavg(model: NodeClassifier, config: Config, weights: str = "count") -> Method:
   """FedAvg (McMahan et al. 2017): W <- W - eta u, u the count-weighted mean of the updates."""
-  return Method("fedavg", {"weights": weights}, _weights_uniform(weights), False, _stateless,
+  return Method("fedavg", {"weights": weights}, _weights_uniform(weights), _stateless,
                 _nothing, _no_loss, _same_client_state, _descent_step(config))
 
 
@@ -197,8 +194,8 @@ def fedprox(model: NodeClassifier, config: Config, mu: float = 0.01,
   def local_loss(params, hidden, prepared, global_params, client_state, server_state, mask):
     return 0.5 * mu * _sum_sq(params, global_params)
 
-  return Method("fedprox", {"mu": mu, "weights": weights}, _weights_uniform(weights), False,
-                _stateless, _nothing, local_loss, _same_client_state, _descent_step(config))
+  return Method("fedprox", {"mu": mu, "weights": weights}, _weights_uniform(weights), _stateless,
+                _nothing, local_loss, _same_client_state, _descent_step(config))
 
 
 def moon(model: NodeClassifier, config: Config, mu: float = 1.0, tau: float = 0.5,
@@ -235,7 +232,7 @@ def moon(model: NodeClassifier, config: Config, mu: float = 1.0, tau: float = 0.
     return jax.tree.map(lambda w, u: w - config.lr * u, global_params, update)  # the local model
 
   return Method("moon", {"mu": mu, "tau": tau, "weights": weights}, _weights_uniform(weights),
-                True, init, prepare, local_loss, client_after, _descent_step(config))
+                init, prepare, local_loss, client_after, _descent_step(config))
 
 
 def feddyn(model: NodeClassifier, config: Config, alpha: float = 0.01,
@@ -268,8 +265,8 @@ def feddyn(model: NodeClassifier, config: Config, alpha: float = 0.01,
     h = jax.tree.map(lambda h_, u: h_ + alpha * lr * share * u, h, update)
     return jax.tree.map(lambda w, u, h_: w - lr * u - h_ / alpha, params, update, h), h
 
-  return Method("feddyn", {"alpha": alpha, "weights": weights}, _weights_uniform(weights), False,
-                init, _nothing, local_loss, client_after, server_step)
+  return Method("feddyn", {"alpha": alpha, "weights": weights}, _weights_uniform(weights), init,
+                _nothing, local_loss, client_after, server_step)
 
 
 SERVER_OPTIMIZERS = ("adam", "yogi", "avgm")
@@ -320,12 +317,12 @@ def fedopt(model: NodeClassifier, config: Config, server_opt: str = "adam",
 
   hparams = {"server_opt": server_opt, "server_lr": server_lr, "tau": tau, "b1": b1, "b2": b2,
              "weights": weights}
-  return Method("fedopt", hparams, _weights_uniform(weights), False, init, _nothing, _no_loss,
+  return Method("fedopt", hparams, _weights_uniform(weights), init, _nothing, _no_loss,
                 _same_client_state, server_step)
 
 
 def effective_steps(local_steps: int, momentum: float) -> float:
-  """K_eff = sum_{t=1..K} (1 - m^t)/(1 - m): gradient steps' worth of movement in K momentum-SGD steps.
+  """K_eff = sum_{t=1..K} (1 - m^t)/(1 - m): gradients' worth of movement of K momentum steps.
 
   Under a constant gradient g, K steps of SGD with momentum m move the model
   by eta K_eff g; K_eff = K for plain SGD (m = 0).
@@ -368,7 +365,7 @@ def scaffold(model: NodeClassifier, config: Config, server_lr: float = 1.0,
     return params, jax.tree.map(lambda c_, u: c_ + share * (u / steps - c_), c, update)
 
   return Method("scaffold", {"server_lr": server_lr, "weights": weights},
-                _weights_uniform(weights), False, init, _nothing, local_loss, client_after,
+                _weights_uniform(weights), init, _nothing, local_loss, client_after,
                 server_step)
 
 
@@ -433,7 +430,7 @@ def _pair(value, where: str) -> tuple[float, float]:
 
 
 def check_method_config(raw, source: str = "method config") -> dict:
-  """Checks the structure of a method config (see ``method_defaults``); returns it with defaults filled.
+  """Checks a method config's structure (see ``method_defaults``); returns it, defaults filled.
 
   Raises:
     ValueError: naming ``source`` and the key of the first bad entry.
