@@ -48,8 +48,7 @@ def main(argv=None):
                    "give one of the two")
     if not args.settings or len(set(args.settings)) != len(args.settings):
       parser.error(f"settings = {args.settings}; give at least one, without repeats")
-    configs = [load_preset(args.dataset, s, backbone=args.backbone,
-                           participation=args.participation) for s in args.settings]
+    configs = [load_preset(args.dataset, s, **cli.preset_overrides(args)) for s in args.settings]
     return run_ablation(configs, args.seeds, args.rounds, cli.last_from_args(args),
                         defaults=methods.method_defaults(args.method_config),
                         **cli.run_kwargs(args, nonfinite="skip"))

@@ -47,7 +47,8 @@ def rates(label, seconds, rounds, runs, clients, local_steps):
 def seed_data(data, s):
   """The SimData of seed ``s``: shards [C_b, ...], eval masks [N]."""
   return data._replace(client_shards=jax.tree.map(lambda leaf: leaf[s], data.client_shards),
-                       eval_val=data.eval_val[s], eval_test=data.eval_test[s])
+                       eval_val=data.eval_val[s], eval_test=data.eval_test[s],
+                       eval_owner=data.eval_owner[s])
 
 
 def looped_runs(sim, federation, state0, cells, data, rounds, warmup):
@@ -69,8 +70,9 @@ def looped_runs(sim, federation, state0, cells, data, rounds, warmup):
             local_update, federation, sim.model.propagate_train, state.params,
             data_s.client_shards, client_keys(state.key, t, federation.num_clients))
         state, _ = aggregate(state, cell, updates, losses, data_s.train_counts)
-        test_acc, _, _ = evaluate(state.params, data_s.eval_val, data_s.eval_test, data_s)
-      final[s, g] = np.asarray(test_acc)
+        test, _ = evaluate(state.params, data_s.eval_val, data_s.eval_test, data_s.eval_owner,
+                           data_s)
+      final[s, g] = np.asarray(test.acc)
   return None if warmup else final
 
 

@@ -1,8 +1,8 @@
 r"""Base methods alone and "+FedIA": the paper-style comparison table (FedIA paper, Tables 2-5).
 
-  python experiments/table.py --dataset twitch --setting s3 \
-      --methods fedavg,fedprox,moon,feddyn,fedopt,scaffold --seeds 0,1,2
-  python experiments/table.py --dataset wikinet --select val
+  python experiments/table.py --dataset twitch --setting s3 --seeds 0,1,2 \
+      --methods fedavg,fedprox,moon,feddyn,fedopt,scaffold,majority,local,centralized
+  python experiments/table.py --dataset wikinet --seeds 0,1,2 --select val --methods fedavg
 
 Each method runs with all seeds in one compiled program, its own aggregation
 next to its "+FedIA" cell. (rho, beta) come from configs/methods/defaults.yaml
@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from fedjax_graph import cli, methods  # noqa: E402
+from fedjax_graph import cli, methods, references  # noqa: E402
 from fedjax_graph.comparison import SELECTIONS, resume_table, run_table  # noqa: E402
 
 
@@ -28,8 +28,12 @@ def main(argv=None):
   cli.add_federation_flags(parser)
   cli.add_sweep_flags(parser)
   cli.add_output_flags(parser)
-  parser.add_argument("--methods", type=cli.str_list, default=",".join(methods.METHODS),
+  every = list(methods.METHODS) + list(references.REFERENCES)
+  parser.add_argument("--methods", type=cli.str_list, default=",".join(every),
                       help="comma list of base methods from " + ", ".join(methods.METHODS)
+                           + " and reference rows from " + ", ".join(references.REFERENCES)
+                           + " (majority class, local training alone, centralised training; "
+                             "no +FedIA)"
                            + " (default: all)")
   parser.add_argument("--select", choices=SELECTIONS, default="fixed",
                       help="(rho, beta) of +FedIA: fixed (from --method-config) or val (best "

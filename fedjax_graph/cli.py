@@ -6,7 +6,7 @@ import sys
 from typing import Callable
 
 from fedjax_graph.config import Config, load_preset
-from fedjax_graph.models import BACKBONES
+from fedjax_graph.models import BACKBONES, NORMS
 
 
 def float_list(text: str) -> list[float]:
@@ -57,6 +57,10 @@ def add_sweep_flags(parser: argparse.ArgumentParser) -> None:
   """Backbone, non-finite policy, checkpoints and resume, for long sweeps."""
   parser.add_argument("--backbone", default=None, choices=sorted(BACKBONES),
                       help="model (default: the preset's, pmlp_gcn)")
+  parser.add_argument("--norm", default=None, choices=list(NORMS),
+                      help="normalisation after each hidden layer: batch (batch norm with the "
+                           "statistics of the graph processed, PMLP's reference) or none "
+                           "(default: the preset's, batch)")
   parser.add_argument("--nonfinite", choices=["error", "skip"], default=None,
                       help="a client update with NaN/Inf is always kept out of the global model; "
                            "error: stop and name it, skip: go on and count it (default: error "
@@ -97,10 +101,14 @@ def config_from_args(parser: argparse.ArgumentParser, args) -> Config:
   if args.dataset is None:
     parser.error("--dataset is required (unless --resume DIR)")
   try:
-    return load_preset(args.dataset, args.setting, backbone=args.backbone,
-                       participation=args.participation)
+    return load_preset(args.dataset, args.setting, **preset_overrides(args))
   except ValueError as err:
     parser.error(str(err))
+
+
+def preset_overrides(args) -> dict:
+  """The preset fields the sweep flags set (None: keep the preset's)."""
+  return dict(backbone=args.backbone, norm=args.norm, participation=args.participation)
 
 
 def resume_kwargs(args) -> dict:

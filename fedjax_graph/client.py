@@ -39,17 +39,24 @@ def local_optimizer(config: Config) -> optax.GradientTransformation:
 LocalUpdate = Callable[..., tuple[PyTree, Array]]
 
 
+def norm_groups(node_mask: Array) -> Array:
+  """i32[N] batch-norm groups of one client: 0 on its nodes, 1 (excluded) on padding."""
+  return jnp.where(node_mask, 0, 1).astype(jnp.int32)
+
+
 def make_local_update(model: NodeClassifier, config: Config,
                       method: Optional[methods_lib.Method] = None) -> LocalUpdate:
   """The local training of one client, as a pure function.
 
-  The returned ``local_update(global_params, x, y, train_mask, graph, key,
-  client_state=(), server_state=())`` takes
+  The returned ``local_update(global_params, x, y, train_mask, node_mask,
+  graph, key, client_state=(), server_state=())`` takes
 
     global_params: the global model W (a pytree of f32 arrays).
     x: f32[N, F] the client's node features (padded).
     y: i32[N] labels, 0 on padding rows.
     train_mask: bool[N] the client's training nodes.
+    node_mask: bool[N] the rows whose statistics the batch norm takes (the
+      client's real nodes); False on padding.
     graph: the client's padded ``Shard`` when the backbone propagates in
       training, else None (then only the rows of ``x`` matter).
     key: a PRNG key for this client and round.
@@ -65,25 +72,26 @@ def make_local_update(model: NodeClassifier, config: Config,
   optimizer = local_optimizer(config)
   method = method or methods_lib.fedavg(model, config)
 
-  def loss_fn(params, x, y, train_mask, graph, key, context):
+  def loss_fn(params, x, y, train_mask, groups, graph, key, context):
     global_params, client_state, server_state, prepared = context
     hidden, logits = model.apply(params, x, graph, train=True, rngs={"dropout": key},
-                                 with_hidden=True)
+                                 with_hidden=True, groups=groups)
     cross_entropy = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y),
                                 train_mask)
     extra = method.local_loss(params, hidden, prepared, global_params, client_state,
                               server_state, train_mask)
     return cross_entropy + extra, cross_entropy
 
-  def local_update(global_params, x, y, train_mask, graph, key, client_state=(),
+  def local_update(global_params, x, y, train_mask, node_mask, graph, key, client_state=(),
                    server_state=()):
+    groups = norm_groups(node_mask)
     context = (global_params, client_state, server_state,
-               method.prepare(global_params, client_state, x, graph))
+               method.prepare(global_params, client_state, x, graph, groups))
 
     def step(carry, step_key):
       params, opt_state = carry
       (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-          params, x, y, train_mask, graph, step_key, context)
+          params, x, y, train_mask, groups, graph, step_key, context)
       updates, opt_state = optimizer.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), loss
 

@@ -13,45 +13,23 @@ are the command lines.
 import json
 import pathlib
 import time
-from typing import Mapping, NamedTuple, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
 from fedjax_graph import methods as methods_lib
-from fedjax_graph import report, tables
+from fedjax_graph import references, report, tables
 from fedjax_graph.checkpoint import fingerprint
 from fedjax_graph.config import Config
 from fedjax_graph.data import Federation, build_federation, load_dataset
 from fedjax_graph.experiment import (check_run_args, default_out_dir, prepare_out_dir, provenance,
                                      remove_outputs)
-from fedjax_graph.models import make_model
 from fedjax_graph.sweep import Cells, grid_cells, make_cells, run_sweep
 
 GRID = (0.1, 0.3, 0.5, 0.7, 0.9)
 SELECTIONS = ("fixed", "val")
 RUNS = "runs"
 FINISHED = "table.md"
-
-
-class RunResult(NamedTuple):
-  """The saved arrays of one sweep (``runs/<key>.npz``); cells: G' = FedIA-family cells, then the base.
-
-  Attributes:
-    test_acc, val_acc: f32[S, G', T, D]. predicted_classes: i32[S, G', T, D].
-    nonfinite: bool[S, G', T, C]. alpha: f32[S, G', T, C].
-    rho, beta: f64[G']. fedia, momentum: bool[G'] (see ``simulation.Cells``).
-    seconds: wall time of the sweep (s).
-  """
-  test_acc: np.ndarray
-  val_acc: np.ndarray
-  predicted_classes: np.ndarray
-  nonfinite: np.ndarray
-  alpha: np.ndarray
-  rho: np.ndarray
-  beta: np.ndarray
-  fedia: np.ndarray
-  momentum: np.ndarray
-  seconds: float
 
 
 def fedia_setting(defaults: Mapping, dataset: str, setting: str, method: str) -> tuple:
@@ -69,26 +47,34 @@ def check_methods(names: Sequence[str], config: Config, defaults: Mapping) -> No
   """
   if not names or len(set(names)) != len(names):
     raise ValueError(f"methods = {list(names)}; give at least one, without repeats")
-  model = make_model(config.backbone, 2, config.hidden, config.num_layers, config.dropout)
-  for name in names:
+  unknown = [n for n in names if n not in methods_lib.METHODS and n not in references.REFERENCES]
+  if unknown:
+    raise ValueError(f"unknown method {unknown[0]!r}; choose from "
+                     f"{', '.join(list(methods_lib.METHODS) + list(references.REFERENCES))}")
+  model = config.model(2)
+  for name in base_methods(names):
     methods_lib.make_method(name, model, config, defaults["hparams"].get(name, {}))
-  for name in names:
     rho, beta = fedia_setting(defaults, config.dataset, config.setting, name)
     make_cells([(True, rho, beta)])  # range checks
+
+
+def base_methods(names: Sequence[str]) -> list[str]:
+  """The federated methods among ``names`` (the references left out)."""
+  return [n for n in names if n not in references.REFERENCES]
 
 
 def _run_key(out_dir: pathlib.Path, key: str) -> pathlib.Path:
   return out_dir / RUNS / f"{key}.npz"
 
 
-def load_run(path: pathlib.Path) -> RunResult:
+def load_run(path: pathlib.Path) -> tables.RunResult:
   with np.load(path) as f:
-    return RunResult(**{name: f[name] for name in RunResult._fields})
+    return tables.RunResult(**{name: f[name] for name in tables.RunResult._fields})
 
 
 def run_cells(config: Config, federation: Federation, cells: Cells, key: str, method: str,
               hparams: Mapping, rounds: int, out_dir: pathlib.Path, setup: Mapping,
-              chunk: int, progress: bool, nonfinite: str, checkpoint_every: int) -> RunResult:
+              chunk: int, progress: bool, nonfinite: str, checkpoint_every: int) -> tables.RunResult:
   """Runs one method over ``cells`` for all seeds (or loads its finished run) and saves it.
 
   The sweep checkpoints to ``checkpoint-<key>.msgpack`` and resumes from it.
@@ -103,58 +89,44 @@ def run_cells(config: Config, federation: Federation, cells: Cells, key: str, me
                       checkpoint_every=checkpoint_every, method=method,
                       method_hparams=dict(hparams),
                       fingerprint=fingerprint({**setup, "run": key}))
-  # Cell values as the user gave them (0.9, not float32's 0.8999999761581421).
-  as_given = lambda values: np.round(np.asarray(values, np.float64), 6)
-  result = RunResult(history.test_acc, history.val_acc, history.predicted_classes,
-                     history.nonfinite, history.alpha, as_given(cells.rho), as_given(cells.beta),
-                     np.asarray(cells.fedia), np.asarray(cells.momentum),
-                     time.perf_counter() - start)
-  report.write_history(path, **result._asdict(), domains=np.asarray(federation.domains),
-                       seeds=np.asarray(federation.seeds))
+  result = _save_run(path, history._asdict(), cells, federation, time.perf_counter() - start)
   checkpoint.unlink(missing_ok=True)
   return result
 
 
-def validation_avg(result: RunResult, g: int, last: int) -> float:
-  """Cell g's validation AVG (%): mean over seeds of the final-rounds mean."""
-  return float(tables.final_accuracy(result.val_acc[:, g], last)[:, -1].mean())
+def _save_run(path: pathlib.Path, arrays: Mapping, cells: Cells, federation: Federation,
+              seconds: float) -> tables.RunResult:
+  # Cell values as the user gave them (0.9, not float32's 0.8999999761581421).
+  as_given = lambda values: np.round(np.asarray(values, np.float64), 6)
+  recorded = {name: arrays[name] for name in tables.RunResult._fields
+              if name in arrays and name != "seconds"}
+  result = tables.RunResult(**recorded, rho=as_given(cells.rho), beta=as_given(cells.beta),
+                            fedia=np.asarray(cells.fedia), momentum=np.asarray(cells.momentum),
+                            seconds=seconds)
+  report.write_history(path, **result._asdict(), domains=np.asarray(federation.domains),
+                       seeds=np.asarray(federation.seeds))
+  return result
 
 
-def select_cell(result: RunResult, select: str, last: int) -> int:
-  """Index of the reported "+FedIA" cell: the only one (fixed) or the best validation AVG (val)."""
-  candidates = np.flatnonzero(result.fedia & result.momentum)
-  if select == "fixed" or len(candidates) == 1:
-    return int(candidates[0])
-  val_avg = np.array([validation_avg(result, g, last) for g in candidates])
-  if np.isnan(val_avg).all():  # every cell failed: report the first, shown as NC
-    return int(candidates[0])
-  return int(candidates[int(np.nanargmax(val_avg))])
-
-
-def make_row(result: RunResult, g: int, label: str, method: str, variant: str,
-             last: int) -> tables.TableRow:
-  """The table row of cell ``g`` of a run (deltas filled in by ``add_deltas``)."""
-  mean, std = tables.final_spread(result.test_acc[:, g], last)
-  status = tables.convergence_status(result.test_acc[:, g], result.predicted_classes[:, g],
-                                     int(result.nonfinite[:, g].sum()), last)
-  uses_mask, uses_momentum = bool(result.fedia[g]), bool(result.momentum[g])
-  return tables.TableRow(label, method, variant,
-                         float(result.rho[g]) if uses_mask else None,
-                         float(result.beta[g]) if uses_momentum else None,
-                         mean, std, None, None, status)
-
-
-def add_deltas(rows: Sequence[tables.TableRow]) -> list[tables.TableRow]:
-  """Fills each row's change against its base method's row and against FedAvg's."""
-  base = {r.method: r for r in rows if r.variant == "base"}
-  fedavg = base.get("fedavg")
-  out = []
-  for row in rows:
-    delta_base = None if row.variant == "base" else row.mean - base[row.method].mean
-    delta_fedavg = (None if fedavg is None or row is fedavg
-                    else float(row.mean[-1] - fedavg.mean[-1]))
-    out.append(row._replace(delta_base=delta_base, delta_fedavg=delta_fedavg))
-  return out
+def run_reference(name: str, config: Config, federation: Federation, domain_graphs,
+                  rounds: int, out_dir: pathlib.Path, setup: Mapping, chunk: int,
+                  progress: bool, nonfinite: str, checkpoint_every: int) -> tables.RunResult:
+  """A reference row's run (``references``) on the same seeds and splits, saved like a method's."""
+  base_cell = make_cells([(False, 1.0, 1.0)])
+  if name == "majority":
+    path = _run_key(out_dir, name)
+    if path.exists():
+      return load_run(path)
+    start = time.perf_counter()
+    return _save_run(path, references.majority_history(federation, rounds), base_cell,
+                     federation, time.perf_counter() - start)
+  if name == "centralized":
+    federation, method = build_federation(config, domain_graphs, federation.seeds,
+                                          pooled=True), "fedavg"
+  else:
+    method = "local"
+  return run_cells(config, federation, base_cell, name, method, {}, rounds, out_dir, setup,
+                   chunk, progress, nonfinite, checkpoint_every)
 
 
 def _checked(defaults: Optional[Mapping]) -> dict:
@@ -172,7 +144,7 @@ def _remove_previous(out_dir: pathlib.Path, keys: Sequence[str]) -> None:
     pass
   remove_outputs(out_dir, [f"table.{ext}" for ext in ("md", "csv", "tex", "png")]
                  + ["config.json"] + [f"checkpoint-{k}.msgpack" for k in keys]
-                 + [f"{RUNS}/{k}.npz" for k in keys])
+                 + [f"{RUNS}/{k}.npz" for k in keys] + [f"heatmap-{k}.png" for k in keys])
 
 
 def _title(config: Config, rounds: int, seeds: Sequence[int], last: int) -> str:
@@ -230,8 +202,9 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
     _remove_previous(out_dir, method_names)
   out_dir.mkdir(parents=True, exist_ok=True)
 
-  hparams = {m: dict(defaults["hparams"].get(m, {})) for m in method_names}
-  settings = {m: fedia_setting(defaults, config.dataset, config.setting, m) for m in method_names}
+  hparams = {m: dict(defaults["hparams"].get(m, {})) for m in base_methods(method_names)}
+  settings = {m: fedia_setting(defaults, config.dataset, config.setting, m)
+              for m in base_methods(method_names)}
   setup = {"config": config.to_dict(), "methods": list(method_names), "hparams": hparams,
            "fedia": ({m: list(v) for m, v in settings.items()} if select == "fixed" else None),
            "select": select, "seeds": [int(s) for s in seeds], "rounds": rounds, "chunk": chunk}
@@ -242,21 +215,30 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
 
   rows, seconds, chosen, chosen_val = [], {}, {}, {}
   for name in method_names:
+    if name in references.REFERENCES:
+      result = run_reference(name, config, federation, domain_graphs, rounds, out_dir, setup,
+                             chunk, progress, nonfinite, checkpoint_every)
+      rows.append(tables.make_row(result, 0, references.DISPLAY[name], name, "reference", last))
+      seconds[name] = float(result.seconds)
+      continue
     cells = (grid_cells(GRID, GRID) if select == "val"
              else make_cells([(True, *settings[name]), (False, 1.0, 1.0)]))
     result = run_cells(config, federation, cells, name, name, hparams[name], rounds, out_dir,
                        setup, chunk, progress, nonfinite, checkpoint_every)
-    g = select_cell(result, select, last)
+    g = tables.select_cell(result, select, last)
     label = methods_lib.DISPLAY[name]
-    rows += [make_row(result, len(result.rho) - 1, label, name, "base", last),
-             make_row(result, g, f"{label}+FedIA", name, "+FedIA", last)]
+    rows += [tables.make_row(result, len(result.rho) - 1, label, name, "base", last),
+             tables.make_row(result, g, f"{label}+FedIA", name, "+FedIA", last)]
     seconds[name], chosen[name] = float(result.seconds), [float(result.rho[g]),
                                                           float(result.beta[g])]
-    chosen_val[name] = validation_avg(result, g, last)
-  rows = add_deltas(rows)
+    chosen_val[name] = tables.validation_avg(result, g, last)
+    if select == "val":
+      tables.plot_grid_heatmap(result, federation.domains, last, out_dir / f"heatmap-{name}.png",
+                               _title(config, rounds, seeds, last), label)
+  rows = tables.add_deltas(rows)
   domains = list(federation.domains)
   title = _title(config, rounds, seeds, last) + f", (ρ, β) {select}"
-  plot_table(rows, out_dir / "table.png", title)
+  tables.plot_table(rows, out_dir / "table.png", title)
   report.write_json(out_dir / "config.json", {**record, "status": "finished",
                                               "fedia_selected": chosen,
                                               "fedia_selected_val_avg": chosen_val,
@@ -265,33 +247,6 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
   print(tables.to_markdown(rows, domains, title))
   print(f"results in {out_dir}")
   return out_dir
-
-
-def plot_table(rows: Sequence[tables.TableRow], path: pathlib.Path, title: str) -> None:
-  """Bar chart of AVG (mean ± std over seeds) per method, base next to +FedIA; NC rows hatched."""
-  import matplotlib
-  matplotlib.use("Agg", force=False)
-  from matplotlib.figure import Figure
-
-  fig = Figure(figsize=(1.2 + 0.55 * len(rows), 3.6))
-  ax = fig.add_subplot()
-  colors = {"base": "#8c8c8c", "+IM": "#6baed6", "+FedIA": "#2171b5"}
-  names = {"base": "base method", "+IM": "+IM (mask only)", "+FedIA": "+FedIA (IM+CAM)"}
-  seen = set()
-  for i, row in enumerate(rows):
-    ok = tables.converged(row)
-    label = names[row.variant] if row.variant not in seen else None
-    seen.add(row.variant)
-    ax.bar(i, row.mean[-1] if ok else 0.0, yerr=row.std[-1] if ok else None, capsize=3,
-           color=colors[row.variant], hatch=None if ok else "//", label=label)
-    if not ok:
-      ax.text(i, 0, "NC", ha="center", va="bottom", fontsize=8)
-  ax.set_xticks(range(len(rows)), [r.label for r in rows], rotation=45, ha="right", fontsize=8)
-  ax.set_ylabel("AVG test accuracy (%), ± std")
-  ax.set_ylim(0, 100)
-  ax.legend(fontsize=7, loc="upper right")
-  ax.set_title(title, fontsize=7, wrap=True)
-  report.save_figure(fig, path)
 
 
 def resume_table(out_dir: pathlib.Path, raw_dir=None, cache_dir=None, progress: bool = True,
@@ -378,8 +333,8 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
                        hparams, rounds, out_dir, setup, chunk, progress, nonfinite,
                        checkpoint_every)
     order = (2, 0, 1)  # FedAvg, +IM, +IM+CAM
-    rows = add_deltas([make_row(result, g, label, "fedavg", variant, last)
-                       for g, (label, variant) in zip(order, ABLATION)])
+    rows = tables.add_deltas([tables.make_row(result, g, label, "fedavg", variant, last)
+                              for g, (label, variant) in zip(order, ABLATION)])
     domains = list(federations[config.setting].domains)
     title = _title(config, rounds, seeds, last) + f", ρ={rho:g}, β={beta:g}"
     markdown.append(tables.to_markdown(rows, domains, title))
@@ -390,7 +345,7 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
   report.write_text(out_dir / "table.csv", "".join(
       text if i == 0 else text.split("\n", 1)[1] for i, text in enumerate(csv_text)))
   report.write_text(out_dir / "table.tex", "\n".join(latex))
-  plot_table(all_rows, out_dir / "table.png", f"{configs[0].dataset} ablation")
+  tables.plot_table(all_rows, out_dir / "table.png", f"{configs[0].dataset} ablation")
   report.write_json(out_dir / "config.json", {**record, "status": "finished"})
   report.write_text(out_dir / FINISHED, "\n".join(markdown))
   print("\n".join(markdown))

@@ -7,6 +7,8 @@ union of the full domain graphs) with per-seed validation/test masks.
 
 The seed drives the partition, the splits and (in the simulation) the model's
 initialisation and dropout, so a batch of seeds is a batch of independent runs.
+With ``pooled=True`` the same partition becomes one client holding every
+client's subgraph (the centralised reference, ``references``).
 """
 
 import dataclasses
@@ -29,7 +31,7 @@ class Federation:
     num_classes: K.
     seeds: the S seeds, in batch order.
     client_domain: i32[C] domain index of each client (clients of a domain are
-      consecutive, domains in dataset order).
+      consecutive, domains in dataset order); 0 for the pooled client.
     train_counts: f32[C] training nodes per client (the FedAvg weights; equal
       across seeds because part and split sizes depend only on node counts).
     bucket_clients: per bucket, the client indices it holds (static).
@@ -42,6 +44,9 @@ class Federation:
     eval_graph: the union's ``CSRGraph`` (shared by every seed and model).
     eval_val: bool[S, N] validation nodes (union of the clients' validation nodes).
     eval_test: bool[S, N] test nodes (union of the clients' test nodes).
+    eval_owner: i32[S, N] the client of the (unpooled) partition that holds
+      each node; 0 on padding rows.
+    pooled: True when the federation is one client holding all clients' nodes.
   """
   domains: tuple[str, ...]
   num_classes: int
@@ -57,6 +62,8 @@ class Federation:
   eval_graph: CSRGraph
   eval_val: np.ndarray
   eval_test: np.ndarray
+  eval_owner: np.ndarray
+  pooled: bool = False
 
   @property
   def num_clients(self) -> int:
@@ -64,7 +71,8 @@ class Federation:
 
 
 def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np.ndarray]],
-                     seeds: Sequence[int], pad_multiple: int = 8) -> Federation:
+                     seeds: Sequence[int], pad_multiple: int = 8,
+                     pooled: bool = False) -> Federation:
   """Partitions, splits, pads and stacks the federation of ``config`` for ``seeds``.
 
   Args:
@@ -73,6 +81,9 @@ def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np
       for every domain of ``config.dataset`` (as ``data_prep.load_domain`` gives).
     seeds: the S >= 1 run seeds.
     pad_multiple: padded sizes are rounded up to a multiple of this.
+    pooled: make one client of the partition's clients (the union of their
+      subgraphs: no edge between two clients; nodes keep their splits, train
+      first). The evaluation graph and masks are those of the partition.
 
   Returns:
     The ``Federation``.
@@ -101,12 +112,31 @@ def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np
               for seed in seeds]
   client_domain = np.repeat(np.arange(len(domains)), list(config.clients_per_domain.values()))
   first = per_seed[0]
-  train_counts = np.array([c.num_train for c in first], np.float32)
   empty = [f"{domains[client_domain[k]]} client {k}" for k in range(len(first))
            if first[k].num_train == 0]
   if empty and not config.allow_empty_clients:
     raise ValueError(f"client(s) without training nodes: {empty}; use fewer clients per domain "
                      "or set allow_empty_clients: true to give them weight 0")
+
+  eval_x, eval_y, eval_domain, eval_graph, offsets = _union_graph(domain_graphs, domains,
+                                                                  pad_multiple)
+  eval_val = np.zeros((len(seeds), len(eval_y)), bool)
+  eval_test = np.zeros((len(seeds), len(eval_y)), bool)
+  eval_owner = np.zeros((len(seeds), len(eval_y)), np.int32)
+  # Each client in the union graph's node ids, so that clients of different
+  # domains can be pooled.
+  per_seed = [[c._replace(nodes=offsets[client_domain[k]] + c.nodes) for k, c in enumerate(clients)]
+              for clients in per_seed]
+  for s, clients in enumerate(per_seed):
+    for k, c in enumerate(clients):
+      eval_val[s, c.nodes[c.num_train:c.num_train + c.num_val]] = True
+      eval_test[s, c.nodes[c.num_train + c.num_val:]] = True
+      eval_owner[s, c.nodes] = k
+  if pooled:
+    per_seed = [[_pool(clients)] for clients in per_seed]
+    client_domain = np.zeros(1, int)
+    first = per_seed[0]
+  train_counts = np.array([c.num_train for c in first], np.float32)
 
   buckets = graphs.size_buckets([len(c.nodes) for c in first], config.max_buckets)
   shards, train_rows = [], []
@@ -115,39 +145,43 @@ def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np
     n_edge = graphs.padding_budget(
         max(clients[k].edge_index.shape[1] for clients in per_seed for k in bucket), pad_multiple)
     shards.append(graphs.stack([
-        graphs.stack([_client_shard(clients[k], domain_graphs[domains[client_domain[k]]],
-                                    client_domain[k], len(domains), n_node, n_edge)
+        graphs.stack([_client_shard(clients[k], eval_x, eval_y, eval_domain, len(domains),
+                                    n_node, n_edge)
                       for k in bucket])
         for clients in per_seed]))
     train_rows.append(max(first[k].num_train for k in bucket))
-
-  eval_x, eval_y, eval_domain, eval_graph, offsets = _union_graph(domain_graphs, domains,
-                                                                  pad_multiple)
-  eval_val = np.zeros((len(seeds), len(eval_y)), bool)
-  eval_test = np.zeros((len(seeds), len(eval_y)), bool)
-  for s, clients in enumerate(per_seed):
-    for k, c in enumerate(clients):
-      rows = offsets[client_domain[k]] + c.nodes
-      eval_val[s, rows[c.num_train:c.num_train + c.num_val]] = True
-      eval_test[s, rows[c.num_train + c.num_val:]] = True
   return Federation(domains=domains, num_classes=num_classes, seeds=seeds,
                     client_domain=client_domain.astype(np.int32), train_counts=train_counts,
                     bucket_clients=tuple(tuple(b) for b in buckets),
                     bucket_train_rows=tuple(train_rows), client_shards=tuple(shards),
                     eval_x=eval_x, eval_y=eval_y, eval_domain=eval_domain,
-                    eval_graph=eval_graph, eval_val=eval_val, eval_test=eval_test)
+                    eval_graph=eval_graph, eval_val=eval_val, eval_test=eval_test,
+                    eval_owner=eval_owner, pooled=pooled)
 
 
-def _client_shard(client: partition.ClientGraph, domain: Mapping[str, np.ndarray],
-                  domain_index: int, num_domains: int, n_node: int, n_edge: int) -> Shard:
+def _pool(clients: Sequence[partition.ClientGraph]) -> partition.ClientGraph:
+  """One client holding the given clients' nodes (train, then val, then test) and their edges."""
+  pick = lambda start, stop: np.concatenate([c.nodes[start(c):stop(c)] for c in clients])
+  nodes = np.concatenate([pick(lambda c: 0, lambda c: c.num_train),
+                          pick(lambda c: c.num_train, lambda c: c.num_train + c.num_val),
+                          pick(lambda c: c.num_train + c.num_val, lambda c: len(c.nodes))])
+  local = np.zeros(nodes.max() + 1, np.int32)
+  local[nodes] = np.arange(len(nodes))
+  edge_index = local[np.concatenate([c.nodes[c.edge_index] for c in clients], axis=1)]
+  return partition.ClientGraph(nodes, edge_index, sum(c.num_train for c in clients),
+                               sum(c.num_val for c in clients), sum(c.num_test for c in clients))
+
+
+def _client_shard(client: partition.ClientGraph, x: np.ndarray, y: np.ndarray,
+                  node_domain: np.ndarray, num_domains: int, n_node: int, n_edge: int) -> Shard:
+  """A client's padded shard; ``client.nodes`` index the union graph's ``x``, ``y``, ``node_domain``."""
   n = len(client.nodes)
   rows = np.arange(n)
   masks = dict(train=rows < client.num_train,
                val=(rows >= client.num_train) & (rows < client.num_train + client.num_val),
                test=rows >= client.num_train + client.num_val)
-  return graphs.pad_graph(domain["x"][client.nodes], domain["y"][client.nodes],
-                          client.edge_index, masks, np.full(n, domain_index), num_domains,
-                          n_node, n_edge)
+  return graphs.pad_graph(x[client.nodes], y[client.nodes], client.edge_index, masks,
+                          node_domain[client.nodes], num_domains, n_node, n_edge)
 
 
 def _union_graph(domain_graphs, domains, pad_multiple):

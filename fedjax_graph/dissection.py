@@ -22,7 +22,7 @@ from fedjax_graph.config import load_preset
 from fedjax_graph.data import build_federation, load_dataset
 from fedjax_graph.experiment import (check_run_args, default_out_dir, prepare_out_dir,
                                      provenance, remove_outputs)
-from fedjax_graph.models import BACKBONES, make_model
+from fedjax_graph.models import BACKBONES
 from fedjax_graph.simulation import DiagnosticsSpec
 from fedjax_graph.sweep import make_cells, run_sweep
 
@@ -102,7 +102,7 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
       arrays = {k: np.asarray(v[:, g][:, index]) for k, v in history.diagnostics._asdict().items()}
       runs[f"{backbone}/{aggregator}"] = {**arrays, "test_acc": history.test_acc[:, g]}
 
-  model = make_model(first.backbone, federation.num_classes, first.hidden, first.num_layers)
+  model = first.model(federation.num_classes)
   names = leaf_names(model.clone(propagate_eval=False).init(
       jax.random.PRNGKey(0), jnp.zeros((1, federation.eval_x.shape[-1])), None, train=False))
   factors = diagnostics.domain_factors({d: domain_graphs[d] for d in federation.domains})

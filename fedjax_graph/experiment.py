@@ -175,31 +175,40 @@ def run_grid(config: Config, rhos: Sequence[float], betas: Sequence[float],
   wall = time.perf_counter() - start
 
   num_fedia = len(cells.rho) - 1
-  fedia_test = np.moveaxis(history.test_acc[:, :num_fedia], 0, 1)  # [G, S, T, D]
-  fedia_val = np.moveaxis(history.val_acc[:, :num_fedia], 0, 1)
-  fedavg_test, fedavg_val = history.test_acc[:, -1], history.val_acc[:, -1]  # [S, T, D]
+  # The history's cells are the FedIA grid, then FedAvg: [S, G+1, ...].
+  fedia_of = lambda a: np.moveaxis(a[:, :num_fedia], 0, 1)  # [G, S, ...]
+  fedavg_of = lambda a: a[:, -1]  # [S, ...]
+  per_round = (history.test_acc, history.test_bacc, history.test_f1, history.predicted_classes,
+               history.train_loss)
+  fedavg = report.Runs(*map(fedavg_of, per_round))
+  fedia = report.Runs(*map(fedia_of, per_round))
   # The user's values, not their float32 copies (0.3, not 0.30000001).
   rho = np.repeat(np.asarray(rhos, float), len(betas))
   beta = np.tile(np.asarray(betas, float), len(rhos))
   skipped = history.nonfinite.sum(axis=(0, 2, 3))  # [G'] FedIA cells, then FedAvg
   domains = list(federation.domains)
 
-  report.write_history(out_dir / "history.npz", fedia_test=fedia_test, fedia_val=fedia_val,
-                       fedavg_test=fedavg_test, fedavg_val=fedavg_val, rho=rho, beta=beta,
-                       seeds=np.asarray(seeds), domains=np.asarray(domains),
-                       train_loss=history.train_loss, alpha=history.alpha,
+  report.write_history(out_dir / "history.npz", fedia_test=fedia.acc,
+                       fedia_val=fedia_of(history.val_acc), fedavg_test=fedavg.acc,
+                       fedavg_val=fedavg_of(history.val_acc), fedia_test_bacc=fedia.bacc,
+                       fedia_test_f1=fedia.f1, fedavg_test_bacc=fedavg.bacc,
+                       fedavg_test_f1=fedavg.f1, rho=rho, beta=beta, seeds=np.asarray(seeds),
+                       domains=np.asarray(domains), train_loss=history.train_loss,
+                       alpha=history.alpha, predicted_classes=history.predicted_classes,
                        mask_coverage=history.mask_coverage, nonfinite=history.nonfinite)
-  rows = report.summarize(fedavg_test, fedia_test, rho, beta, domains, last,
+  rows = report.summarize(fedavg, fedia, rho, beta, domains, last,
                           skipped=np.concatenate([skipped[-1:], skipped[:-1]]))
   report.write_summary_csv(rows, out_dir / "summary.csv")
   title = f"{config.dataset} {config.setting}, {config.backbone}, {rounds} rounds, seeds {list(seeds)}"
   report.plot_heatmap(rows, out_dir / "heatmap.png", title=title)
-  report.plot_curves(fedavg_test, fedia_test, rows, out_dir / "curves.png", title, last=last)
+  report.plot_curves(fedavg.acc, fedia.acc, rows, out_dir / "curves.png", title, last=last)
   report.write_json(out_dir / "config.json", {**record, "status": "finished",
                                               "wall_seconds_this_call": wall,
                                               "chunk_seconds_this_call": history.seconds})
   (out_dir / CHECKPOINT).unlink(missing_ok=True)
 
+  for warning in report.constant_warnings(fedavg, fedia, rho, beta, domains, last, seeds):
+    print(f"warning: {warning}")
   best = report.best_cell(rows)
   print(report.format_table(rows, max_rows=10))
   print(f"best cell: rho={best['rho']:g}, beta={best['beta']:g}: AVG {best['avg_mean']:.2f}% "

@@ -5,9 +5,10 @@ the simulation runs all clients of a round in one ``vmap``:
 
   * ``init(params, num_clients) -> MethodState``: per-client state (every leaf
     ``[C, ...]``, read and written by client index) and server state.
-  * ``prepare(global_params, client_state, x, graph)``: what a client
-    computes once per round before its local steps (MOON's frozen
-    representations); no gradient flows through it.
+  * ``prepare(global_params, client_state, x, graph, groups)``: what a
+    client computes once per round before its local steps (MOON's frozen
+    representations; ``groups`` are the batch-norm groups of its rows, see
+    ``client.norm_groups``); no gradient flows through it.
   * ``local_loss(params, hidden, prepared, global_params, client_state,
     server_state, train_mask) -> f32[]``: the term added to the client's
     cross-entropy (``hidden`` f32[N, H] is the representation before the
@@ -98,6 +99,8 @@ class Method(NamedTuple):
     hparams: its hyper-parameters (static: they are closed over).
     uniform_weights: its own averaging weighs participants uniformly (True)
       or by their training-node counts (False).
+    personal: clients train from, and are evaluated with, their own models
+      (the per-client state), not the global model (``local``).
   """
   name: str
   hparams: Mapping[str, Any]
@@ -107,6 +110,7 @@ class Method(NamedTuple):
   local_loss: Callable
   client_after: Callable
   server_step: Callable
+  personal: bool = False
 
 
 def _zeros_like(tree: PyTree) -> PyTree:
@@ -217,12 +221,14 @@ def moon(model: NodeClassifier, config: Config, mu: float = 1.0, tau: float = 0.
   def init(params, num_clients):
     return MethodState(clients=_per_client(params, num_clients), server=())
 
-  def representation(params, x, graph):
-    hidden, _ = model.apply(params, x, graph, train=True, deterministic=True, with_hidden=True)
+  def representation(params, x, graph, groups):
+    hidden, _ = model.apply(params, x, graph, train=True, deterministic=True, with_hidden=True,
+                            groups=groups)
     return jax.lax.stop_gradient(hidden)
 
-  def prepare(global_params, previous_params, x, graph):
-    return representation(global_params, x, graph), representation(previous_params, x, graph)
+  def prepare(global_params, previous_params, x, graph, groups):
+    return (representation(global_params, x, graph, groups),
+            representation(previous_params, x, graph, groups))
 
   def local_loss(params, hidden, prepared, global_params, client_state, server_state, mask):
     per_node = moon_loss(hidden, *prepared, tau)
@@ -369,6 +375,28 @@ def scaffold(model: NodeClassifier, config: Config, server_lr: float = 1.0,
                 server_step)
 
 
+def local(model: NodeClassifier, config: Config) -> Method:
+  """Local training alone, a reference row (not a federated method).
+
+  Every client trains its own model: per-client state is its model, each
+  round it runs the same local steps from it (optimiser state fresh each
+  round, as the federated clients) and keeps the result; nothing is
+  aggregated and the global model never moves. ``personal``: a domain's test
+  node is classified by the model of the client that holds it.
+  """
+  def init(params, num_clients):
+    return MethodState(clients=_per_client(params, num_clients), server=())
+
+  def client_after(own_params, update, global_params, server_state):
+    return jax.tree.map(lambda w, u: w - config.lr * u, own_params, update)
+
+  def server_step(params, server_state, update, num_participants, num_clients):
+    return params, server_state
+
+  return Method("local", {}, False, init, _nothing, _no_loss, client_after, server_step,
+                personal=True)
+
+
 METHODS = {"fedavg": fedavg, "fedprox": fedprox, "moon": moon, "feddyn": feddyn,
            "fedopt": fedopt, "scaffold": scaffold}
 DISPLAY = {"fedavg": "FedAvg", "fedprox": "FedProx", "moon": "MOON", "feddyn": "FedDyn",
@@ -383,9 +411,10 @@ def make_method(name: str, model: NodeClassifier, config: Config,
     ValueError: for an unknown method or hyper-parameter, or a value out of
       its range, naming it and what is allowed.
   """
-  if name not in METHODS:
+  factories = {**METHODS, "local": local}
+  if name not in factories:
     raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-  factory = METHODS[name]
+  factory = factories[name]
   hparams = dict(hparams or {})
   allowed = list(inspect.signature(factory).parameters)[2:]
   unknown = sorted(set(hparams) - set(allowed))

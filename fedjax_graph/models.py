@@ -8,8 +8,18 @@ layers) and differ only in where GCN propagation happens:
   gcn        yes                      yes
   pmlp_gcn   no                       yes
 
-Each layer computes ``propagate(h @ W) + b`` when it propagates and ``h @ W + b``
-otherwise (bias after propagation, as PyG's GCNConv and the PMLP code do).
+Each hidden layer computes, as PMLP's reference code (class ``PMLP_GCN``) does,
+
+  h <- dropout(relu(batch_norm(propagate(h @ W) + b)))
+
+(``h @ W + b`` where the layer does not propagate; bias after propagation, as
+PyG's GCNConv). The batch norm has no scale or shift and no running
+statistics: it always normalises with the statistics of the graph being
+processed (the client's nodes in training, one domain's full graph at
+inference), never of padding rows and never across domains (``groups``).
+Without it the normalised propagation shrinks features to a fraction of their
+norm per layer, the logits fall onto the bias and the model predicts one
+class. ``norm="none"`` drops it. Weights are Xavier-uniform, biases zero.
 
 References:
   Yang, Wu, Zhang, Xu, Zhang, Yan, "Graph Neural Networks are Inherently Good
@@ -17,6 +27,8 @@ References:
   https://arxiv.org/abs/2212.09034, Sec. 3 (train as MLP, propagate at test).
   Kipf & Welling, "Semi-Supervised Classification with Graph Convolutional
   Networks", ICLR 2017.
+  Ioffe & Szegedy, "Batch Normalization", ICML 2015 (eps 1e-5, biased
+  variance, as torch.nn.BatchNorm1d(affine=False, track_running_stats=False)).
 """
 
 import math
@@ -34,6 +46,32 @@ BACKBONES = {  # name: (propagate in training, propagate at inference)
     "gcn": (True, True),
     "pmlp_gcn": (False, True),
 }
+NORMS = ("batch", "none")
+BATCH_NORM_EPS = 1e-5
+
+
+def batch_norm(h: Array, groups: Optional[Array] = None, num_groups: int = 1) -> Array:
+  """Batch norm without scale or shift, with the statistics of each group of rows.
+
+  Args:
+    h: f32[N, H] node states.
+    groups: i32[N] group of each row in [0, num_groups]; rows with id
+      ``num_groups`` (padding) take no part in any statistic and come out 0.
+      None: all rows are one group.
+    num_groups: G, static.
+
+  Returns:
+    f32[N, H]: per group (h - mean) / sqrt(var + 1e-5), biased variance.
+  """
+  if groups is None:
+    groups, num_groups = jnp.zeros(h.shape[0], jnp.int32), 1
+  # One-hot products instead of segment sums: G is a handful of domains, and
+  # dense [G, N] @ [N, H] products are much faster than scatters on a CPU.
+  member = (groups[:, None] == jnp.arange(num_groups)).astype(h.dtype)  # [N, G]
+  count = jnp.maximum(jnp.sum(member, axis=0), 1.0)[:, None]  # [G, 1]
+  centred = h - member @ (member.T @ h / count)
+  inv_std = jax.lax.rsqrt(member.T @ jnp.square(centred) / count + BATCH_NORM_EPS)
+  return centred * (member @ inv_std)
 
 
 def dropout_keep_mask(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
@@ -73,7 +111,7 @@ class GraphLinear(nn.Module):
 
   @nn.compact
   def __call__(self, h: Array, graph: Optional[Graph]) -> Array:
-    kernel = self.param("kernel", nn.initializers.lecun_normal(), (h.shape[-1], self.features))
+    kernel = self.param("kernel", nn.initializers.xavier_uniform(), (h.shape[-1], self.features))
     bias = self.param("bias", nn.initializers.zeros_init(), (self.features,))
     if graph is None:
       return h @ kernel + bias
@@ -86,7 +124,7 @@ class GraphLinear(nn.Module):
 
 
 class NodeClassifier(nn.Module):
-  """``num_layers`` linear layers with ReLU and dropout between them.
+  """``num_layers`` linear layers with batch norm, ReLU and dropout between them.
 
   Attributes:
     num_classes: K.
@@ -96,6 +134,7 @@ class NodeClassifier(nn.Module):
       (realised as ``effective_rate(dropout)``: exact for 0.5).
     propagate_train: propagate after each linear layer in training.
     propagate_eval: propagate after each linear layer at inference.
+    norm: ``batch`` (batch norm after each hidden layer) or ``none``.
   """
   num_classes: int
   hidden: int = 128
@@ -103,10 +142,11 @@ class NodeClassifier(nn.Module):
   dropout: float = 0.5
   propagate_train: bool = False
   propagate_eval: bool = True
+  norm: str = "batch"
 
   @nn.compact
   def __call__(self, x: Array, graph: Optional[Graph], train: bool, deterministic: bool = False,
-               with_hidden: bool = False):
+               with_hidden: bool = False, groups: Optional[Array] = None, num_groups: int = 1):
     """Logits f32[N, K] for node features ``x`` f32[N, F].
 
     ``graph`` may be None when this configuration does not propagate (then the
@@ -116,6 +156,9 @@ class NodeClassifier(nn.Module):
     models). Needs the ``dropout`` rng when dropout is on. With
     ``with_hidden``, returns ``(hidden f32[N, H], logits)``: ``hidden`` is the
     classifier's input before dropout (the node representation).
+    ``groups`` i32[N] and ``num_groups`` (static) say over which rows the
+    batch norm takes its statistics (see ``batch_norm``; padding rows carry
+    ``num_groups``); None: all rows.
     """
     propagates = self.propagate_train if train else self.propagate_eval
     if propagates and graph is None:
@@ -123,7 +166,10 @@ class NodeClassifier(nn.Module):
     graph = graph if propagates else None
     h = hidden = x
     for i in range(self.num_layers - 1):
-      h = hidden = nn.relu(GraphLinear(self.hidden, name=f"layer_{i}")(h, graph))
+      h = GraphLinear(self.hidden, name=f"layer_{i}")(h, graph)
+      if self.norm == "batch":
+        h = batch_norm(h, groups, num_groups)
+      h = hidden = nn.relu(h)
       if train and not deterministic and self.dropout > 0:
         keep = dropout_keep_mask(self.make_rng("dropout"), h.shape, self.dropout)
         h = jnp.where(keep, h / (1 - effective_rate(self.dropout)), 0.0)
@@ -132,20 +178,28 @@ class NodeClassifier(nn.Module):
 
 
 def make_model(name: str, num_classes: int, hidden: int = 128, num_layers: int = 3,
-               dropout: float = 0.5) -> NodeClassifier:
-  """The backbone called ``name`` (one of ``BACKBONES``).
+               dropout: float = 0.5, norm: str = "batch") -> NodeClassifier:
+  """The backbone called ``name`` (one of ``BACKBONES``) with ``norm`` (one of ``NORMS``).
 
   Raises:
-    ValueError: for an unknown name, listing the supported ones.
+    ValueError: for an unknown name or norm, listing the supported ones.
   """
   if name not in BACKBONES:
     raise ValueError(f"Unsupported model: {name!r}; choose one of {sorted(BACKBONES)}")
+  if norm not in NORMS:
+    raise ValueError(f"Unsupported norm: {norm!r}; choose one of {list(NORMS)}")
   propagate_train, propagate_eval = BACKBONES[name]
   return NodeClassifier(num_classes=num_classes, hidden=hidden, num_layers=num_layers,
                         dropout=dropout, propagate_train=propagate_train,
-                        propagate_eval=propagate_eval)
+                        propagate_eval=propagate_eval, norm=norm)
 
 
-def predict(model: NodeClassifier, params, x: Array, graph: Graph) -> Array:
-  """Class predictions i32[N] of the global model for features f32[N, F] (inference)."""
-  return jnp.argmax(model.apply(params, x, graph, train=False), axis=-1)
+def predict(model: NodeClassifier, params, x: Array, graph: Graph,
+            groups: Optional[Array] = None, num_groups: int = 1) -> Array:
+  """Class predictions i32[N] of a model for features f32[N, F] (inference).
+
+  ``groups``/``num_groups``: the batch-norm groups, e.g. each node's domain
+  (``NodeClassifier.__call__``).
+  """
+  return jnp.argmax(model.apply(params, x, graph, train=False, groups=groups,
+                                num_groups=num_groups), axis=-1)

@@ -1,12 +1,13 @@
 """Host-side reporting for FedAvg vs FedAvg+FedIA grid sweeps.
 
-Turns the accuracy arrays produced by the simulator into summary rows, a CSV,
-a terminal table, a ΔAVG heatmap over the ρ×β grid, learning curves, and
-atomic ``.npz`` / JSON artefacts. Works on numpy arrays only: this module
-deliberately does not import jax so it can run on machines without an
-accelerator stack (e.g. to re-plot saved histories).
+Turns the per-round arrays produced by the simulator into summary rows, a CSV,
+a terminal table, a ΔAVG heatmap over the ρ×β grid, learning curves, warnings
+about runs that end at a constant prediction, and atomic ``.npz`` / JSON
+artefacts. The statistics themselves are ``fedjax_graph.analysis``'s. Works on
+numpy arrays only: this module deliberately does not import jax so it can run
+on machines without an accelerator stack (e.g. to re-plot saved histories).
 
-Shape legend used in docstrings:
+Shape legend used in docstrings (``fedjax_graph/types.py``):
   G: grid cells (ρ×β combinations, row-major), S: seeds, T: rounds,
   D: domains.
 
@@ -23,7 +24,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 from matplotlib import colormaps
@@ -32,14 +33,36 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from fedjax_graph import analysis
+
 Row = dict[str, Any]
 
 FEDAVG = "fedavg"
 FEDIA = "fedavg+fedia"
 AVG = "avg"
+METRICS = ("", "_bacc", "_f1")  # column infixes: accuracy, balanced accuracy, macro-F1
 HYPERPARAM_COLUMNS = ("rho", "beta")
-DELTA_LABEL = "ΔAVG vs FedAvg (accuracy points, %)"
+SCIENTIFIC_COLUMNS = ("train_loss_slope",)  # 4 decimals would print 0.0000
 MIN_COLOR_LIMIT = 0.5  # Accuracy points; smallest |ΔAVG| colour-scale limit.
+
+
+class Runs(NamedTuple):
+  """Per-round arrays of FedAvg (leading [S]) or of all grid cells (leading [G, S]).
+
+  Attributes:
+    acc: float [(G,) S, T, D] test accuracy fractions.
+    bacc: float [(G,) S, T, D] test balanced accuracy (mean recall over the
+      domain's classes) fractions.
+    f1: float [(G,) S, T, D] test macro-F1 fractions.
+    predicted_classes: int [(G,) S, T, D] distinct classes predicted on each
+      domain's test nodes.
+    train_loss: float [(G,) S, T] mean over clients of the training loss.
+  """
+  acc: np.ndarray
+  bacc: np.ndarray
+  f1: np.ndarray
+  predicted_classes: np.ndarray
+  train_loss: np.ndarray
 
 
 # --------------------------------------------------------------------------
@@ -47,36 +70,13 @@ MIN_COLOR_LIMIT = 0.5  # Accuracy points; smallest |ΔAVG| colour-scale limit.
 # --------------------------------------------------------------------------
 
 
-def _check_last(last: Any, num_rounds: int) -> int:
-  """Validates the number of final rounds to summarise.
-
-  Args:
-    last: Requested number of final rounds.
-    num_rounds: T, the number of rounds available.
-
-  Returns:
-    ``last`` as a Python int.
-
-  Raises:
-    ValueError: If ``last`` is not an integer in [1, T]; the message names it.
-  """
-  # bool is an int subclass but `last=True` is certainly a caller bug.
-  if isinstance(last, bool) or not isinstance(last, (int, np.integer)):
-    raise ValueError(f"last={last!r} must be an integer in [1, {num_rounds}]")
-  if not 1 <= last <= num_rounds:
-    raise ValueError(
-        f"last={int(last)} is out of range: must be in [1, T={num_rounds}]")
-  return int(last)
-
-
-def _check_inputs(fedavg_acc: np.ndarray, fedia_acc: np.ndarray,
-                  rho: np.ndarray, beta: np.ndarray,
-                  domains: Sequence[str]) -> None:
+def _check_inputs(fedavg: Runs, fedia: Runs, rho: np.ndarray,
+                  beta: np.ndarray, domains: Sequence[str]) -> None:
   """Checks that the simulator outputs agree with each other.
 
   Args:
-    fedavg_acc: float [S, T, D].
-    fedia_acc: float [G, S, T, D].
+    fedavg: FedAvg's arrays, [S, T, D] (train_loss [S, T]).
+    fedia: the cells' arrays, [G, S, T, D] (train_loss [G, S, T]).
     rho: float [G].
     beta: float [G].
     domains: D names.
@@ -84,31 +84,37 @@ def _check_inputs(fedavg_acc: np.ndarray, fedia_acc: np.ndarray,
   Raises:
     ValueError: On any rank/shape disagreement or unusable domain names.
   """
-  if fedavg_acc.ndim != 3:
+  if fedavg.acc.ndim != 3:
     raise ValueError(
-        f"fedavg_acc must be [S, T, D], got shape {fedavg_acc.shape}")
-  if fedia_acc.ndim != 4:
+        f"fedavg.acc must be [S, T, D], got shape {fedavg.acc.shape}")
+  if fedia.acc.ndim != 4:
     raise ValueError(
-        f"fedia_acc must be [G, S, T, D], got shape {fedia_acc.shape}")
-  if fedia_acc.shape[1:] != fedavg_acc.shape:
+        f"fedia.acc must be [G, S, T, D], got shape {fedia.acc.shape}")
+  if fedia.acc.shape[1:] != fedavg.acc.shape:
     raise ValueError(
-        f"fedia_acc shape {fedia_acc.shape} does not match fedavg_acc shape "
-        f"{fedavg_acc.shape} on [S, T, D]")
-  num_cells = fedia_acc.shape[0]
+        f"fedia.acc shape {fedia.acc.shape} does not match fedavg.acc shape "
+        f"{fedavg.acc.shape} on [S, T, D]")
+  for runs, name in ((fedavg, "fedavg"), (fedia, "fedia")):
+    for field in Runs._fields[1:]:
+      want = runs.acc.shape[:-1] if field == "train_loss" else runs.acc.shape
+      if getattr(runs, field).shape != want:
+        raise ValueError(f"{name}.{field} has shape {getattr(runs, field).shape}; "
+                         f"expected {want} like {name}.acc")
+  num_cells = fedia.acc.shape[0]
   if rho.shape != (num_cells,) or beta.shape != (num_cells,):
     raise ValueError(
         f"rho shape {rho.shape} and beta shape {beta.shape} must both be "
         f"(G,)=({num_cells},)")
-  if len(domains) != fedavg_acc.shape[2]:
+  if len(domains) != fedavg.acc.shape[2]:
     raise ValueError(
         f"got {len(domains)} domain names {list(domains)} but D="
-        f"{fedavg_acc.shape[2]}")
+        f"{fedavg.acc.shape[2]}")
   names = [str(d) for d in domains]
   # Duplicates or a domain called "avg" would silently overwrite columns.
   if len(set(names)) != len(names) or AVG in names:
     raise ValueError(
         f"domain names {names} must be unique and must not be {AVG!r}")
-  for name, arr in (("fedavg_acc", fedavg_acc), ("fedia_acc", fedia_acc)):
+  for name, arr in (("fedavg.acc", fedavg.acc), ("fedia.acc", fedia.acc)):
     if arr.shape[0] == 0 or arr.shape[-1] == 0 or arr.shape[-2] == 0:
       raise ValueError(f"{name} has an empty axis: shape {arr.shape}")
 
@@ -119,95 +125,99 @@ def _check_inputs(fedavg_acc: np.ndarray, fedia_acc: np.ndarray,
 
 
 def summary_columns(domains: Sequence[str]) -> list[str]:
-  """Column names of a summary row, in CSV order.
+  """Column names of a summary row, in CSV order (see ``summarize``).
 
   Args:
     domains: D domain names.
 
   Returns:
-    ``method, rho, beta, <d>_mean, <d>_std (per domain), avg_mean, avg_std,
-    std_over, delta_avg, skipped_updates``.
+    ``method, rho, beta``; ``<d>_mean, <d>_std`` per domain, then ``avg_mean,
+    avg_std``; the same with ``_bacc`` and then ``_f1`` before ``_mean`` /
+    ``_std``; ``std_over, delta_avg, delta_avg_ci, delta_bacc,
+    constant_domains, train_loss_slope, skipped_updates``.
   """
   cols = ["method", "rho", "beta"]
-  for name in [str(d) for d in domains] + [AVG]:
-    cols += [f"{name}_mean", f"{name}_std"]
-  return cols + ["std_over", "delta_avg", "skipped_updates"]
+  for metric in METRICS:
+    for name in [str(d) for d in domains] + [AVG]:
+      cols += [f"{name}{metric}_mean", f"{name}{metric}_std"]
+  return cols + ["std_over", "delta_avg", "delta_avg_ci", "delta_bacc",
+                 "constant_domains", "train_loss_slope", "skipped_updates"]
 
 
-def _last_rounds_stats(acc: np.ndarray,
-                       last: int) -> tuple[np.ndarray, np.ndarray, str]:
-  """Mean and spread of the final-rounds accuracy of one method.
-
-  AVG is appended as an extra "domain": the unweighted mean over domains,
-  taken per round first so that its round-to-round spread is meaningful.
-
-  Args:
-    acc: float [S, T, D] accuracy fractions.
-    last: Number of final rounds to summarise, already validated.
-
-  Returns:
-    mean: float [D + 1] percent; mean over seeds of per-seed last-rounds means.
-    std: float [D + 1] percent; population std (ddof=0) across seeds of the
-      per-seed last-rounds means when S >= 2, otherwise population std over
-      the last rounds of the single seed.
-    std_over: ``"seeds"`` or ``"rounds"``, naming what ``std`` is taken over.
-  """
-  pct = 100.0 * np.asarray(acc, dtype=np.float64)
-  with_avg = np.concatenate([pct, pct.mean(axis=-1, keepdims=True)], axis=-1)
-  tail = with_avg[:, -last:, :]  # [S, last, D+1]
-  per_seed = tail.mean(axis=1)  # [S, D+1]
-  mean = per_seed.mean(axis=0)
-  if per_seed.shape[0] >= 2:
-    return mean, per_seed.std(axis=0, ddof=0), "seeds"
-  # One seed (the paper's protocol): the only spread left is across rounds.
-  return mean, tail[0].std(axis=0, ddof=0), "rounds"
-
-
-def _make_row(method: str, rho: Any, beta: Any, domains: Sequence[str],
-              mean: np.ndarray, std: np.ndarray, std_over: str,
-              delta_avg: float, skipped: int) -> Row:
-  """Builds one summary row with keys in ``summary_columns`` order.
+def _summary_row(method: str, rho: Any, beta: Any, domains: Sequence[str],
+                 run: Runs, fedavg: Runs | None, last: int,
+                 skipped: int) -> Row:
+  """One summary row, keys in ``summary_columns`` order.
 
   Args:
-    method: ``"fedavg"`` or ``"fedavg+fedia"``.
-    rho: ρ as float, or ``""`` for FedAvg.
-    beta: β as float, or ``""`` for FedAvg.
+    method, rho, beta: the row's first three values.
     domains: D domain names.
-    mean: float [D + 1] percent, AVG last.
-    std: float [D + 1] percent, AVG last.
-    std_over: ``"seeds"`` or ``"rounds"``.
-    delta_avg: AVG mean minus FedAvg's AVG mean, percent points.
+    run: one method's arrays, [S, T, D] (train_loss [S, T]).
+    fedavg: FedAvg's arrays to pair with; None for FedAvg's own row.
+    last: Number of final rounds, already validated.
     skipped: non-finite client updates left out, over all rounds and seeds.
-
-  Returns:
-    The row dict.
   """
+  names = [str(d) for d in domains] + [AVG]
   row: Row = {"method": method, "rho": rho, "beta": beta}
-  for i, name in enumerate([str(d) for d in domains] + [AVG]):
-    row[f"{name}_mean"] = float(mean[i])
-    row[f"{name}_std"] = float(std[i])
+  for metric, values in zip(METRICS, (run.acc, run.bacc, run.f1)):
+    mean, std, std_over = analysis.spread(values, last)
+    for name, m, s in zip(names, mean, std):
+      row[f"{name}{metric}_mean"], row[f"{name}{metric}_std"] = float(m), float(s)
   row["std_over"] = std_over
-  row["delta_avg"] = float(delta_avg)
+  if fedavg is None:  # FedAvg against itself: no interval to report
+    row.update(delta_avg=0.0, delta_avg_ci="", delta_bacc=0.0)
+  else:
+    acc = analysis.paired_delta(run.acc, fedavg.acc, last)
+    bacc = analysis.paired_delta(run.bacc, fedavg.bacc, last)
+    row.update(delta_avg=float(acc.mean[-1]), delta_avg_ci=float(acc.half_width[-1]),
+               delta_bacc=float(bacc.mean[-1]))
+  row["constant_domains"] = int(
+      analysis.constant_domains(run.predicted_classes, last).sum())
+  row["train_loss_slope"] = float(analysis.loss_slope(run.train_loss, last).mean())
   row["skipped_updates"] = int(skipped)
   return row
 
 
-def summarize(fedavg_acc: np.ndarray, fedia_acc: np.ndarray, rho: Any,
-              beta: Any, domains: Sequence[str], last: int,
+def _as_runs(runs: Runs) -> Runs:
+  return Runs(*(np.asarray(x, np.float64) if name != "predicted_classes"
+                else np.asarray(x) for name, x in zip(Runs._fields, runs)))
+
+
+def summarize(fedavg: Runs, fedia: Runs, rho: Any, beta: Any,
+              domains: Sequence[str], last: int,
               skipped: Sequence[int] | None = None) -> list[Row]:
   """Summarises the final rounds of FedAvg and every FedAvg+FedIA grid cell.
 
-  Per seed, accuracy is averaged over the last ``last`` rounds, per domain
-  and for AVG (unweighted mean over domains, computed per round then
-  averaged over rounds). ``<x>_mean`` is the mean over seeds of those
-  per-seed means. ``<x>_std`` is the population std (ddof=0) across seeds of
-  the per-seed means when S >= 2 (``std_over="seeds"``); with a single seed,
-  as in the paper, it is the population std (ddof=0) over the last rounds
-  (``std_over="rounds"``). NaN (diverged runs) propagates into the row.
+  Each seed's values are averaged over the last ``last`` rounds, per domain
+  and for AVG (unweighted mean over domains); statistics are
+  ``analysis.spread`` and ``analysis.paired_delta``. Columns, in order
+  (percent unless said otherwise; NaN from diverged runs propagates):
+
+  * ``method``: ``fedavg`` or ``fedavg+fedia``; ``rho``, ``beta``: the cell's
+    ρ and β as Python floats (``""`` for FedAvg).
+  * ``<d>_mean``, ``<d>_std`` per domain, then ``avg_mean``, ``avg_std``:
+    test accuracy, mean over seeds of the per-seed final-rounds means; std:
+    population std (ddof=0) over seeds of those means when S >= 2, else
+    over the final rounds of the single seed.
+  * ``<d>_bacc_mean`` ... ``avg_bacc_std``: the same for balanced accuracy;
+    ``<d>_f1_mean`` ... ``avg_f1_std``: for macro-F1.
+  * ``std_over``: ``seeds`` or ``rounds``, what the stds are taken over.
+  * ``delta_avg``: AVG accuracy minus FedAvg's (points), the mean over seeds
+    of the paired per-seed differences; 0 on FedAvg's row.
+  * ``delta_avg_ci``: half-width (points) of the paired 95 % t-interval of
+    ``delta_avg`` over seeds; NaN with one seed, ``""`` on FedAvg's row.
+  * ``delta_bacc``: AVG balanced accuracy minus FedAvg's (points).
+  * ``constant_domains``: number of (seed, domain) pairs whose model predicts
+    at most one class on the domain's test nodes in every final round.
+  * ``train_loss_slope``: mean over seeds of the least-squares slope of the
+    training loss over the final rounds (loss per round; > 0: rising).
+  * ``skipped_updates``: non-finite client updates left out, all rounds and
+    seeds.
 
   Args:
-    fedavg_acc: float [S, T, D] FedAvg accuracy fractions.
-    fedia_acc: float [G, S, T, D] FedAvg+FedIA accuracy fractions.
+    fedavg: FedAvg's arrays, [S, T, D] (train_loss [S, T]).
+    fedia: the FedAvg+FedIA cells' arrays, [G, S, T, D] (train_loss
+      [G, S, T]), seed s paired with FedAvg's seed s.
     rho: float [G] ρ of each cell.
     beta: float [G] β of each cell.
     domains: D domain names.
@@ -217,35 +227,58 @@ def summarize(fedavg_acc: np.ndarray, fedia_acc: np.ndarray, rho: Any,
 
   Returns:
     1 + G rows (FedAvg first, then cells in input order), each a dict with
-    keys ``summary_columns(domains)`` in order. Values are percent (or
-    percent points for ``delta_avg``); ``rho``/``beta`` are ``""`` for FedAvg
-    and Python floats otherwise.
+    keys ``summary_columns(domains)`` in order.
 
   Raises:
     ValueError: If ``last`` is outside [1, T] (message names the value) or
       the shapes disagree.
   """
-  fedavg_acc = np.asarray(fedavg_acc, dtype=np.float64)
-  fedia_acc = np.asarray(fedia_acc, dtype=np.float64)
+  fedavg, fedia = _as_runs(fedavg), _as_runs(fedia)
   rho = np.asarray(rho, dtype=np.float64).reshape(-1)
   beta = np.asarray(beta, dtype=np.float64).reshape(-1)
-  _check_inputs(fedavg_acc, fedia_acc, rho, beta, domains)
-  last = _check_last(last, fedavg_acc.shape[1])
+  _check_inputs(fedavg, fedia, rho, beta, domains)
+  last = analysis.check_last(last, fedavg.acc.shape[1])
 
-  skipped = np.zeros(1 + fedia_acc.shape[0], int) if skipped is None else np.asarray(skipped)
-  if skipped.shape != (1 + fedia_acc.shape[0],):
-    raise ValueError(f"skipped has shape {skipped.shape}; expected ({1 + fedia_acc.shape[0]},)")
+  num_cells = fedia.acc.shape[0]
+  skipped = np.zeros(1 + num_cells, int) if skipped is None else np.asarray(skipped)
+  if skipped.shape != (1 + num_cells,):
+    raise ValueError(f"skipped has shape {skipped.shape}; expected ({1 + num_cells},)")
 
-  base_mean, base_std, std_over = _last_rounds_stats(fedavg_acc, last)
-  base_avg = base_mean[-1]
-  rows = [_make_row(FEDAVG, "", "", domains, base_mean, base_std, std_over,
-                    0.0, skipped[0])]
-  for g in range(fedia_acc.shape[0]):
-    mean, std, std_over = _last_rounds_stats(fedia_acc[g], last)
-    rows.append(
-        _make_row(FEDIA, float(rho[g]), float(beta[g]), domains, mean, std,
-                  std_over, mean[-1] - base_avg, skipped[1 + g]))
+  rows = [_summary_row(FEDAVG, "", "", domains, fedavg, None, last, skipped[0])]
+  for g in range(num_cells):
+    cell = Runs(*(x[g] for x in fedia))
+    rows.append(_summary_row(FEDIA, float(rho[g]), float(beta[g]), domains, cell,
+                             fedavg, last, skipped[1 + g]))
   return rows
+
+
+def constant_warnings(fedavg: Runs, fedia: Runs, rho: Any, beta: Any,
+                      domains: Sequence[str], last: int,
+                      seeds: Sequence[int] | None = None) -> list[str]:
+  """One line per (seed, run) whose prediction ends constant on some domain.
+
+  E.g. ``seed 0, FedIA rho=0.3, beta=0.5: constant prediction on EN, ES
+  through the last 20 rounds``. Such a domain's accuracy is a class share,
+  not a measure of aggregation. Only ``predicted_classes`` is read.
+
+  Args:
+    fedavg, fedia, rho, beta, domains, last: as for ``summarize``.
+    seeds: S seed values to name; None: the seed indices 0..S-1.
+
+  Returns:
+    The lines, seed by seed, FedAvg before the cells in input order; empty
+    when no run ends constant.
+  """
+  classes = [np.asarray(fedavg.predicted_classes)] + list(np.asarray(fedia.predicted_classes))
+  labels = ["FedAvg"] + [f"FedIA rho={float(r):g}, beta={float(b):g}"
+                         for r, b in zip(np.ravel(rho), np.ravel(beta))]
+  constant = np.stack([analysis.constant_domains(c, last) for c in classes], axis=1)  # [S, 1+G, D]
+  seeds = range(constant.shape[0]) if seeds is None else seeds
+  names = np.asarray([str(d) for d in domains])
+  return [f"seed {seed}, {label}: constant prediction on {', '.join(names[flags])} "
+          f"through the last {last} rounds"
+          for seed, per_run in zip(seeds, constant)
+          for label, flags in zip(labels, per_run) if flags.any()]
 
 
 # --------------------------------------------------------------------------
@@ -295,8 +328,9 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[IO], None],
 def _format_cell(column: str, value: Any) -> Any:
   """Formats one CSV value.
 
-  Metrics get 4 decimals (NaN as ``nan``). ρ and β keep their shortest exact
-  repr: 4 decimals would collapse e.g. 1e-5 to 0.0000 and break round trips.
+  Metrics get 4 decimals (NaN as ``nan``), the loss slope 5 significant
+  digits. ρ and β keep their shortest exact repr: 4 decimals would collapse
+  e.g. 1e-5 to 0.0000 and break round trips.
 
   Args:
     column: Column name.
@@ -311,6 +345,8 @@ def _format_cell(column: str, value: Any) -> Any:
       return "nan"
     if column in HYPERPARAM_COLUMNS:
       return repr(value)
+    if column in SCIENTIFIC_COLUMNS:
+      return f"{value:.4e}"
     return f"{value:.4f}"
   return value
 
@@ -450,9 +486,14 @@ def best_cell(rows: Sequence[Row], key: str = "avg_mean") -> Row:
 
 
 def _domain_names(row: Row) -> list[str]:
-  """Domain names encoded in a row's ``<d>_mean`` keys, in column order."""
-  return [k[:-len("_mean")] for k in row
-          if k.endswith("_mean") and k != f"{AVG}_mean"]
+  """Domain names encoded in a row's accuracy ``<d>_mean`` keys, in column order."""
+  names = []
+  for key in row:  # the accuracy block comes first and ends at avg_mean
+    if key == f"{AVG}_mean":
+      return names
+    if key.endswith("_mean"):
+      names.append(key[:-len("_mean")])
+  return names
 
 
 def _fmt_hparam(value: Any) -> str:
@@ -532,44 +573,71 @@ def _new_figure(width: float, height: float) -> tuple[Figure, Any]:
   return fig, fig.add_subplot(1, 1, 1)
 
 
-def _delta_grid(cells: Sequence[Row]
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """Lays the cells' ΔAVG out on the ρ×β grid.
+class DeltaGrid(NamedTuple):
+  """The cells' ΔAVG on the ρ×β grid, as ``plot_heatmap`` draws and marks it.
 
-  Args:
-    cells: Grid-cell rows.
-
-  Returns:
+  Attributes:
     rhos: float [R] sorted unique ρ.
     betas: float [B] sorted unique β.
-    delta: float [R, B] ΔAVG; NaN where non-converged or missing.
+    delta: float [R, B] ΔAVG (points); NaN where non-converged or missing.
     present: bool [R, B] whether a row exists for that (ρ, β).
+    significant: bool [R, B] the paired 95 % interval of ΔAVG excludes 0
+      (marked ``*``); never with one seed.
+    constant: bool [R, B] some (seed, domain) of the cell ends at a
+      constant prediction (marked ``c``).
   """
+  rhos: np.ndarray
+  betas: np.ndarray
+  delta: np.ndarray
+  present: np.ndarray
+  significant: np.ndarray
+  constant: np.ndarray
+
+
+def _delta_grid(cells: Sequence[Row]) -> DeltaGrid:
+  """Lays the grid-cell rows out on the ρ×β grid (see ``DeltaGrid``)."""
   rhos = np.unique([float(r["rho"]) for r in cells])
   betas = np.unique([float(r["beta"]) for r in cells])
-  delta = np.full((rhos.size, betas.size), np.nan)
-  present = np.zeros((rhos.size, betas.size), dtype=bool)
+  grid = DeltaGrid(rhos, betas, np.full((rhos.size, betas.size), np.nan),
+                   *np.zeros((3, rhos.size, betas.size), dtype=bool))
   for r in cells:
     i = int(np.searchsorted(rhos, float(r["rho"])))
     j = int(np.searchsorted(betas, float(r["beta"])))
-    delta[i, j] = float(r["delta_avg"])
-    present[i, j] = True
-  return rhos, betas, delta, present
+    grid.delta[i, j] = float(r["delta_avg"])
+    grid.present[i, j] = True
+    # A NaN half-width (one seed) compares False: no mark.
+    grid.significant[i, j] = abs(float(r["delta_avg"])) > float(r["delta_avg_ci"])
+    grid.constant[i, j] = r["constant_domains"] > 0
+  return grid
+
+
+def _constant_note(row: Row) -> str:
+  count = row["constant_domains"]
+  return f"constant on {count} (seed, domain) pair(s)" if count else ""
 
 
 def plot_heatmap(rows: Sequence[Row], path: str | os.PathLike,
-                 title: str = "") -> None:
+                 title: str = "", base_label: str = "FedAvg") -> DeltaGrid:
   """Atomically plots ΔAVG (FedAvg+FedIA minus FedAvg) over the ρ×β grid.
 
   ρ runs down the rows, β across the columns. The colormap is diverging and
   symmetric around 0 so gains and losses read alike. Non-converged (NaN)
   cells are grey and marked "NC"; (ρ, β) pairs absent from a partial grid
   are left white and marked "n/a". The best cell by ``avg_mean`` is boxed.
+  A ``*`` follows a ΔAVG whose paired 95 % interval over seeds excludes 0
+  (none with one seed, which the title says); a ``c`` marks a cell that ends
+  at a constant prediction on some (seed, domain), whose ΔAVG is partly a
+  class share.
 
   Args:
     rows: Summary rows from ``summarize`` (at least one grid cell).
     path: Destination image path, e.g. ``*.png``.
     title: Dataset/setting shown in the title.
+    base_label: what the cells are compared with (the FedAvg row), e.g.
+      ``FedProx`` for a table.py sweep of FedProx+FedIA.
+
+  Returns:
+    The grid as drawn, marks included.
 
   Raises:
     ValueError: If ``rows`` has no grid cell.
@@ -577,7 +645,8 @@ def plot_heatmap(rows: Sequence[Row], path: str | os.PathLike,
   cells = _cell_rows(rows)
   if not cells:
     raise ValueError("rows contain no FedAvg+FedIA grid cell to plot")
-  rhos, betas, delta, present = _delta_grid(cells)
+  grid = _delta_grid(cells)
+  rhos, betas, delta, present = grid.rhos, grid.betas, grid.delta, grid.present
   finite = np.isfinite(delta)
   lim = float(np.abs(delta[finite]).max()) if finite.any() else 0.0
   # The floor keeps noise-level deltas (and all-zero grids, which would give
@@ -599,7 +668,8 @@ def plot_heatmap(rows: Sequence[Row], path: str | os.PathLike,
       elif not finite[i, j]:
         text, color = "NC", "black"
       else:
-        text = f"{delta[i, j]:+.2f}"
+        text = (f"{delta[i, j]:+.2f}" + ("*" if grid.significant[i, j] else "")
+                + (" c" if grid.constant[i, j] else ""))
         # White text only where the fill is dark enough to need it.
         color = "white" if abs(delta[i, j]) > 0.6 * lim else "black"
       ax.text(j, i, text, ha="center", va="center", color=color, fontsize=9)
@@ -614,15 +684,25 @@ def plot_heatmap(rows: Sequence[Row], path: str | os.PathLike,
     best_note = (f"best (boxed): ρ={_fmt_hparam(best['rho'])}, "
                  f"β={_fmt_hparam(best['beta'])}, "
                  f"ΔAVG={best['delta_avg']:+.2f}")
+  one_seed = all(r["std_over"] == "rounds" for r in rows)
+  notes = ["1 seed: no interval, no * marks" if one_seed
+           else "* paired 95 % interval over seeds excludes 0"]
+  if grid.constant.any():
+    notes.append("c: constant prediction on some (seed, domain)")
+  base = [r for r in rows if r["method"] == FEDAVG]
+  if base and _constant_note(base[0]):
+    notes.append(f"{base_label} {_constant_note(base[0])}")
 
   ax.set_xticks(range(betas.size), [f"{b:g}" for b in betas])
   ax.set_yticks(range(rhos.size), [f"{r:g}" for r in rhos])
   ax.set_xlabel("β")
   ax.set_ylabel("ρ")
   head = f"{title}: " if title else ""
-  ax.set_title(f"{head}FedAvg+FedIA ΔAVG over ρ×β\n{best_note}", fontsize=10)
-  fig.colorbar(image, ax=ax, label=DELTA_LABEL)
+  ax.set_title(f"{head}{base_label}+FedIA ΔAVG over ρ×β\n{best_note}\n"
+               + "; ".join(notes), fontsize=10)
+  fig.colorbar(image, ax=ax, label=f"ΔAVG vs {base_label} (accuracy points, %)")
   save_figure(fig, path)
+  return grid
 
 
 def _avg_curve(acc: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -642,11 +722,13 @@ def _avg_curve(acc: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
 
 def plot_curves(fedavg_acc: np.ndarray, fedia_acc: np.ndarray,
                 rows: Sequence[Row], path: str | os.PathLike, title: str,
-                *, last: int | None = None) -> None:
+                *, last: int | None = None) -> list[str]:
   """Atomically plots AVG accuracy per round: FedAvg vs the best grid cell.
 
   The best cell is chosen by ``avg_mean`` in ``rows``. Lines are means over
-  seeds; with S >= 2 a band shows ±1 population std across seeds.
+  seeds; with S >= 2 a band shows ±1 population std across seeds. A run
+  that ends at a constant prediction on some (seed, domain) says so in its
+  legend entry (``constant_domains`` of its row).
 
   Args:
     fedavg_acc: float [S, T, D] FedAvg accuracy fractions.
@@ -657,6 +739,9 @@ def plot_curves(fedavg_acc: np.ndarray, fedia_acc: np.ndarray,
     title: Dataset/setting shown as the title.
     last: Number of final rounds that ``summarize`` used; when given, that
       span is shaded. (Rows do not record it, hence the argument.)
+
+  Returns:
+    The legend labels of the FedAvg and best-cell lines.
 
   Raises:
     ValueError: On shape mismatch, ``last`` out of range, or no converged
@@ -676,19 +761,24 @@ def plot_curves(fedavg_acc: np.ndarray, fedia_acc: np.ndarray,
   num_rounds = fedavg_acc.shape[1]
   g = _best_cell_index(rows, "avg_mean")
   best = cells[g]
+  base = [r for r in rows if r["method"] == FEDAVG]
   rounds = np.arange(1, num_rounds + 1)
 
   fig, ax = _new_figure(7.0, 4.2)
   if last is not None:
-    last = _check_last(last, num_rounds)
+    last = analysis.check_last(last, num_rounds)
     ax.axvspan(num_rounds - last + 0.5, num_rounds + 0.5, color="grey",
                alpha=0.15, label=f"last {last} rounds (summarised)")
   label_best = (f"FedAvg+FedIA (ρ={_fmt_hparam(best['rho'])}, "
                 f"β={_fmt_hparam(best['beta'])})")
-  for acc, label, color in ((fedavg_acc, "FedAvg", "tab:blue"),
-                            (fedia_acc[g], label_best, "tab:orange")):
+  labels = []
+  for acc, label, row, color in (
+      (fedavg_acc, "FedAvg", base[0] if base else None, "tab:blue"),
+      (fedia_acc[g], label_best, best, "tab:orange")):
+    note = _constant_note(row) if row is not None else ""
+    labels.append(f"{label}: {note}" if note else label)
     mean, std = _avg_curve(acc)
-    ax.plot(rounds, mean, color=color, label=label, linewidth=1.6)
+    ax.plot(rounds, mean, color=color, linewidth=1.6, label=labels[-1])
     if std is not None:
       ax.fill_between(rounds, mean - std, mean + std, color=color, alpha=0.2,
                       linewidth=0)
@@ -703,3 +793,4 @@ def plot_curves(fedavg_acc: np.ndarray, fedia_acc: np.ndarray,
   ax.grid(alpha=0.3)
   ax.legend(loc="best", fontsize=9)
   save_figure(fig, path)
+  return labels

@@ -20,7 +20,6 @@ One round (FedIA paper, Algorithm 1; a base method from ``methods``):
   4. the new global model is evaluated on every domain's full graph.
 """
 
-import hashlib
 import json
 from typing import Callable, NamedTuple, Optional
 
@@ -34,7 +33,7 @@ from fedjax_graph.client import make_local_update
 from fedjax_graph.config import Config
 from fedjax_graph.data import Federation
 from fedjax_graph.graphs import CSRGraph
-from fedjax_graph.models import NodeClassifier, make_model, predict
+from fedjax_graph.models import NodeClassifier, predict
 from fedjax_graph.types import Array, PyTree, Shard
 
 
@@ -45,40 +44,24 @@ class Cells(NamedTuple):
   ratio ``rho`` (rho = 1: no mask), weighted by CAM's alpha (``momentum``) or
   by the base method's own weights. The base method: fedia False, momentum
   False, rho 1; FedIA: both True; IM only (an ablation): fedia True,
-  momentum False.
+  momentum False. Cells are paired: within a seed they share every random
+  number (initial model, dropout, client sample) and differ only in these
+  settings.
 
   Attributes:
     rho: f32[G'] mask ratio in (0, 1] (1 where ``fedia`` is False).
     beta: f32[G'] CAM momentum in [0, 1] (ignored where ``momentum`` is False).
     fedia: bool[G'] True: the cell uses FedIA's mask.
-    stream: i32[G'] the cell's random stream, ``cell_stream(...)`` of its
-      settings: a cell draws the same numbers in any grid, at any position.
     momentum: bool[G'] True: CAM weights; False: the method's own weights.
   """
   rho: Array
   beta: Array
   fedia: Array
-  stream: Array
   momentum: Array
 
 
-def cell_stream(fedia: bool, rho: float, beta: float, momentum: Optional[bool] = None) -> int:
-  """A 31-bit id of a cell's settings, folded into the seed's key (host).
-
-  Deriving keys from what a cell *is*, not where it sits in a batch, keeps a
-  cell's result independent of the rest of the grid, while distinct cells
-  (and seeds) still never share a key. ``momentum`` defaults to ``fedia``.
-  """
-  momentum = fedia if momentum is None else momentum
-  if fedia and not momentum:
-    text = f"im:{rho:.9g}"
-  else:
-    text = f"fedia:{rho:.9g}:{beta:.9g}" if fedia else "fedavg"
-  return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") >> 1
-
-
-# Sampling keys derive from the seed alone (a fold_in datum above every cell
-# stream), so the base method and its "+FedIA" cells see the same clients.
+# The client sample's key: fold_in(seed key, SAMPLING_STREAM), apart from the
+# keys split off the seed key for the initial model and dropout.
 SAMPLING_STREAM = 2**31 + 1
 
 
@@ -102,7 +85,8 @@ class SimState(NamedTuple):
     params: the global model W.
     aggregator: FedIA's state (alpha f32[C]); unused by cells without CAM.
     method: the base method's ``MethodState`` (per-client leaves [C, ...]).
-    key: the run's PRNG key; round t uses fold_in(key, t).
+    key: the seed's dropout key (the same in every cell: runs are paired);
+      round t uses fold_in(key, t).
     sample_key: the seed's client-sampling key (the same in every cell).
   """
   params: PyTree
@@ -118,6 +102,10 @@ class RoundMetrics(NamedTuple):
   Attributes:
     test_acc: f32[D] test accuracy of the global model per domain, in [0, 1].
     val_acc: f32[D] validation accuracy per domain.
+    test_bacc: f32[D] balanced test accuracy per domain (mean recall over the
+      classes present among the domain's test nodes).
+    test_f1: f32[D] macro-F1 on each domain's test nodes (mean over the
+      classes that are true or predicted there, as scikit-learn's).
     train_loss: f32[] mean over clients of the last local step's loss.
     alpha: f32[C] the aggregation weights applied this round (FedIA's alpha, or
       FedAvg's train-count weights); 0 for clients left out.
@@ -132,6 +120,8 @@ class RoundMetrics(NamedTuple):
   """
   test_acc: Array
   val_acc: Array
+  test_bacc: Array
+  test_f1: Array
   train_loss: Array
   alpha: Array
   mask_coverage: Array
@@ -161,13 +151,15 @@ class SimData(NamedTuple):
   eval_graph: CSRGraph
   eval_val: Array
   eval_test: Array
+  eval_owner: Array
 
 
 def sim_data(federation: Federation) -> SimData:
   """Moves a federation's arrays to the device."""
   f = federation
   return jax.device_put(SimData(f.client_shards, f.train_counts, f.eval_x, f.eval_y,
-                                f.eval_domain, f.eval_graph, f.eval_val, f.eval_test))
+                                f.eval_domain, f.eval_graph, f.eval_val, f.eval_test,
+                                f.eval_owner))
 
 
 class Simulation(NamedTuple):
@@ -182,8 +174,10 @@ class Simulation(NamedTuple):
       server step and per-client state), not jitted. Clients not
       ``sampled``, with a non-finite update or no training node are left out.
     method: the base method.
-    evaluate: ``evaluate(params, val_mask, test_mask, data)`` -> (test f32[D],
-      val f32[D], predicted classes i32[D]) for one run, not jitted.
+    evaluate: ``evaluate(params, val_mask, test_mask, owner, data)`` -> (test
+      ``Scores``, validation accuracy f32[D]) for one run, not jitted; for a
+      ``personal`` method ``params`` are the clients' models, leaves [C, ...],
+      and node n is predicted by client ``owner[n]``'s.
     init: ``init(seeds i32[S], cells: Cells) -> SimState`` with leaves [S, G', ...].
     run_chunk: jitted ``run_chunk(state, first_round, cells, data, num_rounds)``
       -> ``(state, RoundMetrics with leaves [S, G', num_rounds, ...])``;
@@ -203,18 +197,22 @@ class Simulation(NamedTuple):
 
 def client_updates(local_update, federation: Federation, propagates_in_training: bool,
                    params: PyTree, shards: tuple[Shard, ...], keys: Array,
-                   client_state: PyTree = (), server_state: PyTree = ()):
+                   client_state: PyTree = (), server_state: PyTree = (),
+                   per_client_params: bool = False, rows_only: bool = True):
   """All clients' updates, one vmap per size bucket, rows in client order.
 
   Args:
     local_update: from ``client.make_local_update``.
     federation: gives the static bucket layout.
     propagates_in_training: whether the backbone needs the client graph.
-    params: the global model W.
+    params: the model the clients start from: the global model W, or with
+      ``per_client_params`` each client's own (leaves [C, ...]).
     shards: per bucket a ``Shard`` with leaves [C_b, ...] (one seed).
     keys: [C] one PRNG key per client.
     client_state: the method's per-client state, leaves [C, ...].
     server_state: the method's server state (shared by all clients).
+    per_client_params: see ``params``.
+    rows_only: see ``training_input``.
 
   Returns:
     (client updates with leaves [C, ...], losses f32[C, local_steps]).
@@ -222,20 +220,43 @@ def client_updates(local_update, federation: Federation, propagates_in_training:
   outputs = []
   for clients, rows, shard in zip(federation.bucket_clients, federation.bucket_train_rows,
                                   shards):
-    if propagates_in_training:
-      x, y, train, graph = shard.x, shard.y, shard.train, shard
-    else:  # Rows are ordered train first: the rest never reach the loss.
-      x, y, train, graph = shard.x[:, :rows], shard.y[:, :rows], shard.train[:, :rows], None
     rows_of = lambda tree: jax.tree.map(lambda leaf: leaf[np.asarray(clients)], tree)
-    outputs.append(jax.vmap(local_update, in_axes=(None, 0, 0, 0, 0, 0, 0, None))(
-        params, x, y, train, graph, rows_of(keys), rows_of(client_state), server_state))
+    start = rows_of(params) if per_client_params else params
+    outputs.append(jax.vmap(local_update, in_axes=(0 if per_client_params else None,
+                                                   0, 0, 0, 0, 0, 0, 0, None))(
+        start, *training_input(shard, rows, propagates_in_training, rows_only), rows_of(keys),
+        rows_of(client_state), server_state))
   order = np.argsort(np.concatenate(federation.bucket_clients))
   return jax.tree.map(lambda *parts: jnp.concatenate(parts)[order], *outputs)
 
 
+def training_input(shard: Shard, train_rows: int, propagates_in_training: bool,
+                   rows_only: bool = True):
+  """What a client's local steps see of its padded shard (one client, or a bucket's stacked).
+
+  A backbone that propagates in training gets the whole padded graph, and its
+  batch norm the statistics of the client's real nodes. One that does not
+  (PMLP-GCN, MLP) gets node rows only, no graph: with ``rows_only`` the first
+  ``train_rows`` rows (rows are ordered train first, so the rest never reach
+  the loss), whose training nodes are also the batch norm's statistics;
+  without it every row, statistics over all of the client's nodes, as PMLP's
+  reference code computes them (``Config.norm_rows``).
+
+  Returns:
+    (x f32[..., N', F], y i32[..., N'], train_mask bool[..., N'],
+    node_mask bool[..., N'] (the batch norm's rows), graph: the shard or None).
+  """
+  if propagates_in_training or not rows_only:
+    real = shard.train | shard.val | shard.test
+    return shard.x, shard.y, shard.train, real, shard if propagates_in_training else None
+  cut = lambda a: a[..., :train_rows]
+  return shard.x[..., :train_rows, :], cut(shard.y), cut(shard.train), cut(shard.train), None
+
+
 def client_updates_loop(local_update, federation: Federation, propagates_in_training: bool,
                         params: PyTree, shards: tuple[Shard, ...], keys: Array,
-                        client_state: PyTree = (), server_state: PyTree = ()):
+                        client_state: PyTree = (), server_state: PyTree = (),
+                        rows_only: bool = True):
   """``client_updates`` with a Python loop over clients: the reference for tests and bench.
 
   ``local_update`` should be jitted by the caller (one compile per bucket shape).
@@ -246,12 +267,9 @@ def client_updates_loop(local_update, federation: Federation, propagates_in_trai
     for j, k in enumerate(clients):
       one = jax.tree.map(lambda leaf: leaf[j], shard)
       state_k = jax.tree.map(lambda leaf: leaf[k], client_state)
-      if propagates_in_training:
-        per_client[k] = local_update(params, one.x, one.y, one.train, one, keys[k], state_k,
-                                     server_state)
-      else:
-        per_client[k] = local_update(params, one.x[:rows], one.y[:rows], one.train[:rows], None,
-                                     keys[k], state_k, server_state)
+      per_client[k] = local_update(
+          params, *training_input(one, rows, propagates_in_training, rows_only), keys[k],
+          state_k, server_state)
   return jax.tree.map(lambda *rows_: jnp.stack(rows_), *per_client)
 
 
@@ -267,13 +285,42 @@ def client_keys(run_key: Array, round_index, num_clients: int) -> Array:
   return jax.random.split(jax.random.fold_in(run_key, round_index), num_clients)
 
 
-def domain_accuracy(pred: Array, labels: Array, mask: Array, node_domain: Array,
-                    num_domains: int) -> Array:
-  """Accuracy f32[D] over the ``mask``-ed nodes of each domain (0 for an empty domain)."""
-  correct = jax.ops.segment_sum(((pred == labels) & mask).astype(jnp.float32), node_domain,
-                                num_domains)
-  count = jax.ops.segment_sum(mask.astype(jnp.float32), node_domain, num_domains)
-  return correct / jnp.maximum(count, 1)
+class Scores(NamedTuple):
+  """Per-domain scores of one prediction (see ``domain_scores``), each f32[D] in [0, 1] or i32[D]."""
+  acc: Array
+  bacc: Array
+  f1: Array
+  classes: Array
+
+
+def domain_scores(pred: Array, labels: Array, mask: Array, node_domain: Array,
+                  num_domains: int, num_classes: int) -> Scores:
+  """Accuracy, balanced accuracy and macro-F1 over the ``mask``-ed nodes of each domain.
+
+  Args:
+    pred, labels: i32[N] predicted and true classes in [0, K).
+    mask: bool[N] the nodes scored (e.g. test nodes).
+    node_domain: i32[N] domain of each node; D on padding rows (dropped).
+    num_domains, num_classes: D and K (static).
+
+  Returns:
+    ``Scores``: accuracy; balanced accuracy, the mean recall over the classes
+    present among the domain's scored nodes; macro-F1, the mean of
+    2 TP / (predicted + true) over the classes that are true or predicted
+    there (scikit-learn's convention); ``classes`` i32[D], how many distinct
+    classes are predicted (1: a constant prediction). All 0 for a domain
+    without scored nodes.
+  """
+  onehot = lambda c: jax.nn.one_hot(c, num_classes, dtype=jnp.float32) * mask[:, None]
+  per_domain = lambda v: jax.ops.segment_sum(v, node_domain, num_domains)  # [D, K]
+  predicted, true = per_domain(onehot(pred)), per_domain(onehot(labels))
+  hits = per_domain(onehot(pred) * onehot(labels))
+  mean_over = lambda values, classes: (jnp.sum(jnp.where(classes, values, 0.0), axis=-1)
+                                       / jnp.maximum(jnp.sum(classes, axis=-1), 1))
+  acc = jnp.sum(hits, axis=-1) / jnp.maximum(jnp.sum(true, axis=-1), 1)
+  bacc = mean_over(hits / jnp.maximum(true, 1), true > 0)
+  f1 = mean_over(2 * hits / jnp.maximum(predicted + true, 1), predicted + true > 0)
+  return Scores(acc, bacc, f1, jnp.sum(predicted > 0, axis=-1).astype(jnp.int32))
 
 
 _SIMULATIONS: dict = {}
@@ -311,8 +358,7 @@ def make_simulation(config: Config, federation: Federation,
 
 
 def _make_simulation(config, federation, diagnostics, method_name, method_hparams):
-  model = make_model(config.backbone, federation.num_classes, config.hidden,
-                     config.num_layers, config.dropout)
+  model = config.model(federation.num_classes)
   method = methods_lib.make_method(method_name, model, config, method_hparams)
   local_update = make_local_update(model, config, method)
   fedia = aggregators.fedia()
@@ -320,9 +366,11 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
   feature_dim = federation.eval_x.shape[-1]
   trace_count = [0]
 
-  def init_run(seed, stream):
+  def init_run(seed):
+    # Keys from the seed alone: every cell (and every method) of a seed starts
+    # from the same model and draws the same dropout masks (paired runs).
     seed_key = jax.random.PRNGKey(seed)
-    init_key, run_key = jax.random.split(jax.random.fold_in(seed_key, stream))
+    init_key, run_key = jax.random.split(seed_key)
     # Parameters do not depend on the graph: initialise without propagation.
     plain = model.clone(propagate_train=False, propagate_eval=False)
     params = plain.init(init_key, jnp.zeros((1, feature_dim)), None, train=False)
@@ -330,8 +378,9 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
                     jax.random.fold_in(seed_key, SAMPLING_STREAM))
 
   def init(seeds, cells):
-    return jax.vmap(jax.vmap(init_run, in_axes=(None, 0)), in_axes=(0, None))(
-        jnp.asarray(seeds), cells.stream)
+    per_seed = jax.vmap(init_run)(jnp.asarray(seeds))
+    num_cells = cells.rho.shape[0]
+    return jax.tree.map(lambda leaf: jnp.repeat(leaf[:, None], num_cells, axis=1), per_seed)
 
   def aggregate(state, cell, updates, losses, train_counts, sampled=None):
     # A non-finite update never reaches the global model: its client is treated
@@ -379,9 +428,12 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
                           method=methods_lib.MethodState(clients, server)), metrics
 
   def train_and_aggregate(state, cell, shards, train_counts, t):
+    start = state.method.clients if method.personal else state.params
     updates, losses = client_updates(local_update, federation, model.propagate_train,
-                                     state.params, shards, client_keys(state.key, t, num_clients),
-                                     state.method.clients, state.method.server)
+                                     start, shards, client_keys(state.key, t, num_clients),
+                                     state.method.clients, state.method.server,
+                                     per_client_params=method.personal,
+                                     rows_only=config.norm_rows == "train")
     sampled = sample_clients(state.sample_key, t, num_clients, config.participation)
     state, metrics = aggregate(state, cell, updates, losses, train_counts, sampled)
     if diagnostics is None:
@@ -399,24 +451,30 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
     # branch and rounds without a checkpoint compute nothing.
     return jax.lax.cond(jnp.isin(t + 1, jnp.asarray(diagnostics.rounds)), compute, skip, updates)
 
-  def evaluate(params, val_mask, test_mask, data):
-    pred = predict(model, params, data.eval_x, data.eval_graph)
-    acc = lambda mask: domain_accuracy(pred, data.eval_y, mask, data.eval_domain, num_domains)
-    hits = jax.ops.segment_sum(
-        jax.nn.one_hot(pred, federation.num_classes, dtype=jnp.int32) * test_mask[:, None],
-        data.eval_domain, num_domains)  # [D, K] test nodes per predicted class
-    return acc(test_mask), acc(val_mask), jnp.sum(hits > 0, axis=-1)
+  def evaluate(params, val_mask, test_mask, owner, data):
+    # Batch-norm statistics per domain: each domain's full graph is its own batch.
+    predict_all = lambda p: predict(model, p, data.eval_x, data.eval_graph, data.eval_domain,
+                                    num_domains)
+    if method.personal:  # each node by the model of the client that holds it
+      per_client = jax.lax.map(predict_all, params)  # [C, N]; one model at a time, less memory
+      pred = jnp.take_along_axis(per_client, owner[None], axis=0)[0]
+    else:
+      pred = predict_all(params)
+    scores = lambda mask: domain_scores(pred, data.eval_y, mask, data.eval_domain, num_domains,
+                                        federation.num_classes)
+    return scores(test_mask), scores(val_mask).acc
 
   def run_round(state, t, cells, data):
     per_cell = jax.vmap(train_and_aggregate, in_axes=(0, 0, None, None, None))
     state, (loss, alpha, coverage, nonfinite, diags) = jax.vmap(
         per_cell, in_axes=(0, None, 0, None, None))(
             state, cells, data.client_shards, data.train_counts, t)
-    per_cell_eval = jax.vmap(evaluate, in_axes=(0, None, None, None))
-    test_acc, val_acc, classes = jax.vmap(per_cell_eval, in_axes=(0, 0, 0, None))(
-        state.params, data.eval_val, data.eval_test, data)
-    return state, RoundMetrics(test_acc, val_acc, loss, alpha, coverage, nonfinite, classes,
-                               diags)
+    per_cell_eval = jax.vmap(evaluate, in_axes=(0, None, None, None, None))
+    evaluated = state.method.clients if method.personal else state.params
+    test, val_acc = jax.vmap(per_cell_eval, in_axes=(0, 0, 0, 0, None))(
+        evaluated, data.eval_val, data.eval_test, data.eval_owner, data)
+    return state, RoundMetrics(test.acc, val_acc, test.bacc, test.f1, loss, alpha, coverage,
+                               nonfinite, test.classes, diags)
 
   def run_chunk(state, first_round, cells, data, num_rounds):
     trace_count[0] += 1

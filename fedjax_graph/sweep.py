@@ -17,7 +17,7 @@ from fedjax_graph import checkpoint as ckpt
 from fedjax_graph.config import Config
 from fedjax_graph.data import Federation
 from fedjax_graph.simulation import (Cells, DiagnosticsSpec, RoundMetrics, Simulation,
-                                     cell_stream, make_simulation, sim_data)
+                                     make_simulation, sim_data)
 
 NONFINITE_POLICIES = ("error", "skip")
 
@@ -32,6 +32,8 @@ class History(NamedTuple):
   Attributes:
     test_acc: f32[S, G', T, D] test accuracy per domain, in [0, 1].
     val_acc: f32[S, G', T, D] validation accuracy per domain.
+    test_bacc: f32[S, G', T, D] balanced test accuracy per domain.
+    test_f1: f32[S, G', T, D] macro-F1 on the test nodes per domain.
     train_loss: f32[S, G', T] mean last-step local loss over aggregated clients.
     alpha: f32[S, G', T, C] aggregation weights per round.
     mask_coverage: f32[S, G', T] share of coordinates aggregated.
@@ -45,6 +47,8 @@ class History(NamedTuple):
   """
   test_acc: np.ndarray
   val_acc: np.ndarray
+  test_bacc: np.ndarray
+  test_f1: np.ndarray
   train_loss: np.ndarray
   alpha: np.ndarray
   mask_coverage: np.ndarray
@@ -76,13 +80,14 @@ def make_cells(settings: Sequence[tuple]) -> Cells:
       raise ValueError(f"rho = {rho}; the mask ratio must be in (0, 1]")
     if momentum and not 0 <= beta <= 1:
       raise ValueError(f"beta = {beta}; the momentum must be in [0, 1]")
-  streams = [cell_stream(*s) for s in settings]
-  if len(set(streams)) != len(streams):
+  # What a cell does: rho only with the mask, beta only with CAM.
+  effective = [(f, rho if f else 1.0, beta if m else 1.0, m) for f, rho, beta, m in settings]
+  if len(set(effective)) != len(effective):
     raise ValueError(f"a cell is given twice in {list(settings)}")
-  return Cells(rho=np.array([s[1] if s[0] else 1.0 for s in settings], np.float32),
-               beta=np.array([s[2] if s[3] else 1.0 for s in settings], np.float32),
-               fedia=np.array([s[0] for s in settings]), stream=np.array(streams, np.int32),
-               momentum=np.array([s[3] for s in settings]))
+  return Cells(rho=np.array([e[1] for e in effective], np.float32),
+               beta=np.array([e[2] for e in effective], np.float32),
+               fedia=np.array([e[0] for e in effective]),
+               momentum=np.array([e[3] for e in effective]))
 
 
 def describe_cell(cells: Cells, g: int, base: str = "FedAvg") -> str:
@@ -119,8 +124,9 @@ def describe_nonfinite(nonfinite: np.ndarray, first_round: int, federation: Fede
   """
   s, g, t, k = np.argwhere(nonfinite)[0]
   cell = describe_cell(cells, g)
-  domain = federation.domains[federation.client_domain[k]]
-  return (f"client {k} (domain {domain}) sent a non-finite update in round {first_round + t + 1} "
+  domain = ("all domains, pooled" if federation.pooled
+            else f"domain {federation.domains[federation.client_domain[k]]}")
+  return (f"client {k} ({domain}) sent a non-finite update in round {first_round + t + 1} "
           f"(seed {federation.seeds[s]}, {cell}); {int(nonfinite.sum())} such update(s) in "
           f"rounds {first_round + 1}-{first_round + nonfinite.shape[2]}. The update was left out "
           f"of the aggregate. To go on and count such updates: --resume DIR --nonfinite skip")

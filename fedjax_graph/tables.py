@@ -1,9 +1,14 @@
 """Paper-style result tables (FedIA paper, Tables 2-6) as Markdown, CSV and LaTeX.
 
 A table is a list of ``TableRow``: one per method (e.g. "FedProx" and
-"FedProx+FedIA"), with per-domain and AVG mean +- std over seeds in percent,
-the change of AVG against the row's base method and against FedAvg, and a
-status that replaces the numbers when a run did not converge.
+"FedProx+FedIA", or a reference such as "Majority"), built from a sweep's
+``RunResult`` by ``make_row`` and then ``add_deltas``. A row holds accuracy
+and balanced accuracy per domain and AVG (mean +- std over seeds, percent),
+its paired changes against its base method and against FedAvg with their 95 %
+t-intervals (``fedjax_graph.analysis``), how many seeds end at a constant
+prediction on each domain, and a status that replaces the numbers when a run
+did not converge. Shapes follow ``fedjax_graph/types.py``; G' is the number of
+cells of one sweep.
 """
 
 import csv
@@ -12,8 +17,63 @@ import math
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
+from matplotlib.figure import Figure
 
-from fedjax_graph import report
+from fedjax_graph import analysis, report
+
+VARIANTS = ("base", "+IM", "+FedIA", "reference")
+REFERENCE = "reference"  # Majority, Local, Centralized: a floor or ceiling, no "+FedIA"
+METRICS = (("acc", "", "Test accuracy (%)"), ("bacc", "bacc_", "Balanced accuracy (%)"))
+
+
+class RunResult(NamedTuple):
+  """The saved arrays of one sweep (``runs/<key>.npz``); cells: G' = FedIA-family cells, then the base.
+
+  Attributes:
+    test_acc, val_acc: f32[S, G', T, D] accuracy fractions.
+    predicted_classes: i32[S, G', T, D] distinct classes predicted on each
+      domain's test nodes.
+    test_bacc, test_f1: f32[S, G', T, D] balanced accuracy and macro-F1
+      fractions on the test nodes.
+    train_loss: f32[S, G', T] mean over clients of the training loss.
+    nonfinite: bool[S, G', T, C]. alpha: f32[S, G', T, C].
+    rho, beta: f64[G']. fedia, momentum: bool[G'] (see ``simulation.Cells``).
+    seconds: wall time of the sweep (s).
+  """
+  test_acc: np.ndarray
+  val_acc: np.ndarray
+  predicted_classes: np.ndarray
+  test_bacc: np.ndarray
+  test_f1: np.ndarray
+  train_loss: np.ndarray
+  nonfinite: np.ndarray
+  alpha: np.ndarray
+  rho: np.ndarray
+  beta: np.ndarray
+  fedia: np.ndarray
+  momentum: np.ndarray
+  seconds: float
+
+
+class Scores(NamedTuple):
+  """One metric of one row, in percent.
+
+  Attributes:
+    per_seed: f64[S, D + 1] each seed's mean over the final rounds, per domain
+      then AVG (``analysis.final_rounds``): what the paired deltas use.
+    mean: f64[D + 1] mean over seeds.
+    std: f64[D + 1] population std over seeds, or over the final rounds
+      with one seed (``analysis.spread``).
+    delta_base: change against the base method's row of the same seeds
+      (None for a base or reference row).
+    delta_fedavg: change against FedAvg's base row (None for that row and
+      without one).
+  """
+  per_seed: np.ndarray
+  mean: np.ndarray
+  std: np.ndarray
+  delta_base: Optional[analysis.PairedDelta] = None
+  delta_fedavg: Optional[analysis.PairedDelta] = None
 
 
 class TableRow(NamedTuple):
@@ -22,14 +82,13 @@ class TableRow(NamedTuple):
   Attributes:
     label: the method as printed, e.g. ``FedProx+FedIA``.
     method: the base method's key, e.g. ``fedprox``.
-    variant: ``base``, ``+IM`` or ``+FedIA``.
+    variant: one of ``VARIANTS``.
     rho, beta: FedIA's mask ratio and momentum (None where unused).
-    mean: f64[D + 1] percent, per domain then AVG: mean over seeds of each
-      seed's mean over the final rounds.
-    std: f64[D + 1] percent: population std over seeds (0 for one seed).
-    delta_base: f64[D + 1] percentage points against the base method's row
-      (None for a base row).
-    delta_fedavg: AVG change against FedAvg's base row (None without one).
+    acc: test accuracy. bacc: balanced accuracy.
+    constant: i64[D] number of seeds whose model predicts one class on that
+      domain's test nodes through all of the final rounds.
+    loss_slope: mean over seeds of the training loss's least-squares slope
+      over the final rounds (loss per round; > 0: rising).
     status: ``ok``, or why the run did not converge (the numbers are then
       not shown), e.g. ``NC: constant prediction (2/3 seeds)``.
   """
@@ -38,38 +97,20 @@ class TableRow(NamedTuple):
   variant: str
   rho: Optional[float]
   beta: Optional[float]
-  mean: np.ndarray
-  std: np.ndarray
-  delta_base: Optional[np.ndarray]
-  delta_fedavg: Optional[float]
+  acc: Scores
+  bacc: Scores
+  constant: np.ndarray
+  loss_slope: float
   status: str = "ok"
 
-
-def final_spread(test_acc: np.ndarray, last: int) -> tuple[np.ndarray, np.ndarray]:
-  """Mean and std f64[D + 1] percent of one cell: over seeds, or over the final rounds for one seed.
-
-  With 2+ seeds: mean and population std over seeds of each seed's mean over
-  the final ``last`` rounds. With one seed (the paper's protocol) the only
-  spread left is across the final rounds, as in grid.py's summary.csv.
-
-  Args:
-    test_acc: [S, T, D] accuracy fractions.
-  """
-  if test_acc.shape[0] >= 2:
-    per_seed = final_accuracy(test_acc, last)
-    return per_seed.mean(axis=0), per_seed.std(axis=0)
-  per_round = final_accuracy(test_acc[0, -last:, None, :], 1)  # each final round as a "seed"
-  return per_round.mean(axis=0), per_round.std(axis=0)
+  @property
+  def num_seeds(self) -> int:
+    return self.acc.per_seed.shape[0]
 
 
-def final_accuracy(test_acc: np.ndarray, last: int) -> np.ndarray:
-  """f64[S, D + 1] percent: each seed's mean over the final ``last`` rounds, then AVG.
-
-  Args:
-    test_acc: [S, T, D] accuracy fractions of one method.
-  """
-  per_domain = 100.0 * np.asarray(test_acc, np.float64)[:, -last:].mean(axis=1)
-  return np.concatenate([per_domain, per_domain.mean(axis=-1, keepdims=True)], axis=-1)
+# --------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------
 
 
 def convergence_status(test_acc: np.ndarray, predicted_classes: np.ndarray, nonfinite_updates: int,
@@ -79,7 +120,9 @@ def convergence_status(test_acc: np.ndarray, predicted_classes: np.ndarray, nonf
   NC when, in any seed, the accuracy is NaN in the final rounds, or the global
   model predicts one class on every domain's test nodes through all of the
   final ``last`` rounds (a collapsed model: its accuracy is only the majority
-  share). Skipped non-finite client updates are noted but are not NC.
+  share). A constant prediction on only some domains is not NC; the tables
+  mark those cells (``TableRow.constant``). Skipped non-finite client updates
+  are noted but are not NC.
 
   Args:
     test_acc: [S, T, D]. predicted_classes: [S, T, D] distinct predicted
@@ -87,7 +130,7 @@ def convergence_status(test_acc: np.ndarray, predicted_classes: np.ndarray, nonf
   """
   seeds = test_acc.shape[0]
   nan = np.isnan(test_acc[:, -last:]).any(axis=(1, 2))
-  constant = (predicted_classes[:, -last:] <= 1).all(axis=(1, 2))
+  constant = analysis.constant_domains(predicted_classes, last).all(axis=1)
   if nan.any():
     return f"NC: NaN accuracy ({int(nan.sum())}/{seeds} seeds)"
   if constant.any():
@@ -101,19 +144,111 @@ def converged(row: TableRow) -> bool:
   return row.status.startswith("ok")
 
 
+def validation_avg(result: RunResult, g: int, last: int) -> float:
+  """Cell g's validation AVG (%): mean over seeds of the final-rounds mean."""
+  return float(analysis.final_rounds(result.val_acc[:, g], last)[:, -1].mean())
+
+
+def select_cell(result: RunResult, select: str, last: int) -> int:
+  """Index of the reported "+FedIA" cell: the only one (fixed) or the best validation AVG (val)."""
+  candidates = np.flatnonzero(result.fedia & result.momentum)
+  if select == "fixed" or len(candidates) == 1:
+    return int(candidates[0])
+  val_avg = np.array([validation_avg(result, g, last) for g in candidates])
+  if np.isnan(val_avg).all():  # every cell failed: report the first, shown as NC
+    return int(candidates[0])
+  return int(candidates[int(np.nanargmax(val_avg))])
+
+
+def _scores(values: np.ndarray, last: int) -> Scores:
+  mean, std, _ = analysis.spread(values, last)
+  return Scores(analysis.final_rounds(values, last), mean, std)
+
+
+def make_row(result: RunResult, g: int, label: str, method: str, variant: str,
+             last: int) -> TableRow:
+  """The table row of cell ``g`` of a run (deltas filled in by ``add_deltas``).
+
+  Raises:
+    ValueError: for a variant not in ``VARIANTS``.
+  """
+  if variant not in VARIANTS:
+    raise ValueError(f"variant = {variant!r}; choose one of {VARIANTS}")
+  # A reference row is shown whatever it predicts: the majority row is constant
+  # by design, and the floor is what a constant model scores.
+  classes = result.predicted_classes[:, g]
+  status = convergence_status(result.test_acc[:, g],
+                              np.maximum(classes, 2) if variant == "reference" else classes,
+                              int(result.nonfinite[:, g].sum()), last)
+  constant = analysis.constant_domains(result.predicted_classes[:, g], last).sum(axis=0)
+  uses_mask, uses_momentum = bool(result.fedia[g]), bool(result.momentum[g])
+  return TableRow(label, method, variant,
+                  float(result.rho[g]) if uses_mask else None,
+                  float(result.beta[g]) if uses_momentum else None,
+                  _scores(result.test_acc[:, g], last), _scores(result.test_bacc[:, g], last),
+                  constant, float(analysis.loss_slope(result.train_loss[:, g], last).mean()),
+                  status)
+
+
+def _paired(row: TableRow, other: TableRow, metric: str) -> analysis.PairedDelta:
+  a, b = getattr(row, metric).per_seed, getattr(other, metric).per_seed
+  if a.shape != b.shape:
+    raise ValueError(f"{row.label} and {other.label} must share the seeds and domains to be "
+                     f"paired; got {a.shape} and {b.shape}")
+  return analysis.paired_interval(a - b)
+
+
+def add_deltas(rows: Sequence[TableRow]) -> list[TableRow]:
+  """Fills each row's paired change against its base method's row and against FedAvg's.
+
+  The base row of a method is its row of variant ``base``; FedAvg's is the
+  one of method ``fedavg`` and variant ``base`` (never found by position).
+  Reference rows get only the change against FedAvg.
+
+  Raises:
+    ValueError: if a non-base, non-reference row has no base row, or two
+      rows to pair have different seeds.
+  """
+  base = {r.method: r for r in rows if r.variant == "base"}
+  fedavg = base.get("fedavg")
+  out = []
+  for row in rows:
+    if row.variant not in ("base", REFERENCE) and row.method not in base:
+      raise ValueError(f"{row.label}: no base row of method {row.method!r} to compare with")
+    own_base = None if row.variant in ("base", REFERENCE) else base[row.method]
+    versus_fedavg = None if row.method == "fedavg" and row.variant == "base" else fedavg
+    pair = lambda other, metric: None if other is None else _paired(row, other, metric)
+    out.append(row._replace(**{
+        metric: getattr(row, metric)._replace(delta_base=pair(own_base, metric),
+                                              delta_fedavg=pair(versus_fedavg, metric))
+        for metric, _, _ in METRICS}))
+  return out
+
+
+# --------------------------------------------------------------------------
+# Formatting
+# --------------------------------------------------------------------------
+
+
 def _pm(mean: float, std: float) -> str:
   return "nan" if math.isnan(mean) else f"{mean:.2f}±{std:.2f}"
 
 
-def _signed(value: Optional[float]) -> str:
-  return "" if value is None or math.isnan(value) else f"{value:+.2f}"
-
-
-def _mark(value: Optional[float]) -> str:
-  """▲ gain, ▼ loss (at the table's 0.01 resolution), blank otherwise."""
-  if value is None or math.isnan(value) or abs(value) < 0.005:
+def _delta_text(delta: Optional[analysis.PairedDelta], j: int) -> str:
+  """``▲+1.20±0.80`` where the paired interval excludes 0, ``+0.10±0.30`` or ``+0.10 (1 seed)`` else."""
+  if delta is None:
     return ""
-  return "▲" if value > 0 else "▼"
+  text = analysis.format_delta(delta, j)
+  if text and analysis.significant(delta)[j]:
+    return ("▲" if delta.mean[j] > 0 else "▼") + text
+  return text
+
+
+def _constant_mark(row: TableRow, j: int) -> str:
+  """`` ᶜ2/3``: constant in 2 of 3 seeds on domain j (never on AVG)."""
+  if j >= len(row.constant) or not row.constant[j]:
+    return ""
+  return f" ᶜ{int(row.constant[j])}/{row.num_seeds}"
 
 
 def _hparams(row: TableRow) -> str:
@@ -122,44 +257,94 @@ def _hparams(row: TableRow) -> str:
   return f"ρ={row.rho:g}" + ("" if row.beta is None else f", β={row.beta:g}")
 
 
-def to_markdown(rows: Sequence[TableRow], domains: Sequence[str], title: str = "") -> str:
-  """A Markdown table: mean±std per domain and AVG, ▲/▼ with the change against the base row."""
-  header = ["Method", "(ρ, β)", *domains, "AVG", "Δ base", "Δ FedAvg"]
-  lines = [f"**{title}**", ""] if title else []
-  lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+def _constant_list(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
+  """``FedAvg: A 1/3, B 2/3; ...`` naming every (row, domain) constant in some seed."""
+  return "; ".join(
+      f"{row.label}: " + ", ".join(f"{d} {int(k)}/{row.num_seeds}"
+                                   for d, k in zip(domains, row.constant) if k)
+      for row in rows if row.constant.any())
+
+
+def _footnote(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
+  note = ("Changes (points) follow each value against the row's base method, and against "
+          "FedAvg's base row in Δ FedAvg: the mean over seeds of the paired per-seed "
+          "differences ± the half-width of their 95 % t-interval; ▲/▼ only where that "
+          "interval excludes 0; (1 seed): no interval, no arrow.")
+  constant = _constant_list(rows, domains)
+  if constant:
+    note += (" ᶜk/S: in k of S seeds the model predicts one class on that domain's test nodes "
+             "in every final round, so its score there is a class share, not a learned model. "
+             f"Constant: {constant}.")
+  return note
+
+
+def _markdown_table(rows: Sequence[TableRow], domains: Sequence[str], metric: str) -> list[str]:
+  header = ["Method", "(ρ, β)", *domains, "AVG", "Δ FedAvg"]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for row in rows:
     if not converged(row):
-      cells = [row.label, _hparams(row)] + [row.status] + [""] * (len(domains) + 2)
+      cells = [row.label, _hparams(row), row.status] + [""] * (len(domains) + 1)
       lines.append("| " + " | ".join(cells) + " |")
       continue
+    scores = getattr(row, metric)
     values = []
     for j in range(len(domains) + 1):
-      delta = None if row.delta_base is None else row.delta_base[j]
-      mark = f" {_mark(delta)}{_signed(delta)}" if _mark(delta) else ""
-      values.append(_pm(row.mean[j], row.std[j]) + mark)
-    delta_base = None if row.delta_base is None else row.delta_base[-1]
-    lines.append("| " + " | ".join([row.label, _hparams(row), *values, _signed(delta_base),
-                                    _signed(row.delta_fedavg)]) + " |")
-  return "\n".join(lines) + "\n"
+      delta = _delta_text(scores.delta_base, j)
+      values.append(_pm(scores.mean[j], scores.std[j]) + _constant_mark(row, j)
+                    + (f" {delta}" if delta else ""))
+    lines.append("| " + " | ".join([row.label, _hparams(row), *values,
+                                    _delta_text(scores.delta_fedavg, -1)]) + " |")
+  return lines
+
+
+def to_markdown(rows: Sequence[TableRow], domains: Sequence[str], title: str = "") -> str:
+  """Two Markdown tables, accuracy then balanced accuracy, each with its footnote.
+
+  A cell reads e.g. ``62.10±0.40 ᶜ1/3 ▲+1.20±0.80``: mean±std, the constant
+  mark, the paired change against the base method.
+  """
+  lines = [f"**{title}**", ""] if title else []
+  note = _footnote(rows, domains)
+  for metric, _, caption in METRICS:
+    lines += [f"{caption}:", "", *_markdown_table(rows, domains, metric), "", note, ""]
+  return "\n".join(lines)
+
+
+def _number(value: Optional[float], spec: str = ".4f") -> str:
+  return "" if value is None else format(float(value), spec)
 
 
 def to_csv(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
-  """CSV text, one row per method, numbers unformatted (percent, percentage points)."""
+  """CSV text, one row per method, numbers unformatted (percent, percentage points).
+
+  Per metric (accuracy, then balanced accuracy with ``bacc_`` after the
+  domain): ``<d>_mean``, ``<d>_std``; ``<d>_delta_base`` and its interval
+  half-width ``<d>_delta_base_ci``; ``delta_fedavg``, ``delta_fedavg_ci``
+  (AVG). Then ``<d>_constant`` (seeds constant), ``num_seeds`` and
+  ``train_loss_slope`` (loss per round).
+  """
   names = list(domains) + ["AVG"]
-  columns = (["method", "base", "variant", "rho", "beta", "status"]
-             + [f"{d}_{stat}" for d in names for stat in ("mean", "std")]
-             + [f"{d}_delta_base" for d in names] + ["delta_fedavg"])
+  columns = ["method", "base", "variant", "rho", "beta", "status"]
+  for _, prefix, _ in METRICS:
+    columns += ([f"{d}_{prefix}{stat}" for d in names for stat in ("mean", "std")]
+                + [f"{d}_{prefix}delta_base{ci}" for d in names for ci in ("", "_ci")]
+                + [f"{prefix}delta_fedavg", f"{prefix}delta_fedavg_ci"])
+  columns += [f"{d}_constant" for d in domains] + ["num_seeds", "train_loss_slope"]
   out = io.StringIO()
   writer = csv.writer(out, lineterminator="\n")
   writer.writerow(columns)
   for row in rows:
-    stats = [f"{v:.4f}" for pair in zip(row.mean, row.std) for v in pair]
-    deltas = ([""] * len(names) if row.delta_base is None
-              else [f"{v:.4f}" for v in row.delta_base])
-    writer.writerow([row.label, row.method, row.variant,
-                     "" if row.rho is None else f"{row.rho:g}",
-                     "" if row.beta is None else f"{row.beta:g}", row.status, *stats, *deltas,
-                     "" if row.delta_fedavg is None else f"{row.delta_fedavg:.4f}"])
+    values = [row.label, row.method, row.variant, _number(row.rho, "g"), _number(row.beta, "g"),
+              row.status]
+    for metric, _, _ in METRICS:
+      scores = getattr(row, metric)
+      values += [_number(v) for pair in zip(scores.mean, scores.std) for v in pair]
+      for delta, entries in ((scores.delta_base, range(len(names))), (scores.delta_fedavg, [-1])):
+        for j in entries:
+          values += (["", ""] if delta is None
+                     else [_number(delta.mean[j]), _number(delta.half_width[j])])
+    values += [int(k) for k in row.constant] + [row.num_seeds, _number(row.loss_slope, ".4e")]
+    writer.writerow(values)
   return out.getvalue()
 
 
@@ -170,13 +355,28 @@ def _latex_escape(text: str) -> str:
   return text
 
 
-def to_latex(rows: Sequence[TableRow], domains: Sequence[str], caption: str = "") -> str:
-  """A LaTeX ``table`` (booktabs): mean$\\pm$std, gains/losses against the base row as superscripts.
+def _latex_delta(delta: Optional[analysis.PairedDelta], j: int) -> str:
+  """``\\uparrow+1.20 \\pm 0.80`` (math mode), as ``_delta_text``."""
+  if delta is None or math.isnan(delta.mean[j]):
+    return ""
+  arrow = ""
+  if analysis.significant(delta)[j]:
+    arrow = r"\uparrow" if delta.mean[j] > 0 else r"\downarrow"
+  spread = (rf" \pm {delta.half_width[j]:.2f}" if delta.num_seeds >= 2
+            else r"\,(1\,\mathrm{seed})")
+  return f"{arrow}{delta.mean[j]:+.2f}{spread}"
 
-  The last column is the change of AVG against FedAvg.
-  """
+
+LATEX_NOTE = (r"Superscripts: change against the base method, last column against FedAvg: mean "
+              r"of the paired per-seed differences $\pm$ half-width of the 95\,\% $t$-interval; "
+              r"arrows only where it excludes 0. \textsuperscript{c}$k/S$: one class predicted "
+              r"on that domain through the final rounds in $k$ of $S$ seeds.")
+
+
+def _latex_table(rows: Sequence[TableRow], domains: Sequence[str], metric: str,
+                 caption: str) -> list[str]:
   names = [_latex_escape(d) for d in domains] + ["AVG"]
-  lines = [r"% needs \usepackage{booktabs}", r"\begin{table}[t]", r"\centering", r"\small",
+  lines = [r"\begin{table}[t]", r"\centering", r"\small",
            r"\begin{tabular}{l" + "c" * (len(names) + 1) + "}", r"\toprule",
            "Method & " + " & ".join(names) + r" & $\Delta$ FedAvg \\", r"\midrule"]
   for i, row in enumerate(rows):
@@ -185,22 +385,33 @@ def to_latex(rows: Sequence[TableRow], domains: Sequence[str], caption: str = ""
       lines.append(f"{label} & \\multicolumn{{{len(names) + 1}}}{{c}}"
                    f"{{{_latex_escape(row.status)}}}" r" \\")
       continue
-    cells = []
+    scores, cells = getattr(row, metric), []
     for j in range(len(names)):
-      cell = f"${row.mean[j]:.2f}_{{\\pm {row.std[j]:.2f}}}"
-      delta = None if row.delta_base is None else row.delta_base[j]
-      if _mark(delta):
-        arrow = r"\uparrow" if delta > 0 else r"\downarrow"
-        cell += f"^{{{arrow}{abs(delta):.2f}}}"
-      cells.append(cell + "$")
-    cells.append(f"${_signed(row.delta_fedavg)}$" if _signed(row.delta_fedavg) else "")
+      delta = _latex_delta(scores.delta_base, j)
+      cell = f"${scores.mean[j]:.2f}_{{\\pm {scores.std[j]:.2f}}}" + (f"^{{{delta}}}$"
+                                                                       if delta else "$")
+      if _constant_mark(row, j):
+        cell += f"\\,\\textsuperscript{{c}}{int(row.constant[j])}/{row.num_seeds}"
+      cells.append(cell)
+    delta = _latex_delta(scores.delta_fedavg, -1)
+    cells.append(f"${delta}$" if delta else "")
     lines.append(f"{label} & " + " & ".join(cells) + r" \\")
     if row.variant == "+FedIA" and i + 1 < len(rows):
       lines.append(r"\midrule")
-  lines += [r"\bottomrule", r"\end{tabular}"]
-  if caption:
-    lines.append(f"\\caption{{{_latex_escape(caption)}}}")
-  lines.append(r"\end{table}")
+  lines += [r"\bottomrule", r"\end{tabular}", f"\\caption{{{caption}}}", r"\end{table}"]
+  return lines
+
+
+def to_latex(rows: Sequence[TableRow], domains: Sequence[str], caption: str = "") -> str:
+  """Two LaTeX ``table`` environments (booktabs), accuracy then balanced accuracy.
+
+  Cells are mean$\\pm$std with the change against the base row as a
+  superscript; the last column is the change of AVG against FedAvg.
+  """
+  lines = [r"% needs \usepackage{booktabs}"]
+  for metric, _, name in METRICS:
+    head = f"{_latex_escape(caption)}. " if caption else ""
+    lines += _latex_table(rows, domains, metric, f"{head}{_latex_escape(name)}. {LATEX_NOTE}")
   return "\n".join(lines) + "\n"
 
 
@@ -209,3 +420,65 @@ def write_tables(rows: Sequence[TableRow], domains: Sequence[str], stem, title: 
   report.write_text(f"{stem}.csv", to_csv(rows, domains))
   report.write_text(f"{stem}.tex", to_latex(rows, domains, title))
   report.write_text(f"{stem}.md", to_markdown(rows, domains, title))
+
+
+# --------------------------------------------------------------------------
+# Figures
+# --------------------------------------------------------------------------
+
+
+def plot_table(rows: Sequence[TableRow], path, title: str) -> None:
+  """Bar chart of AVG accuracy (mean, error bar ±std) per row in order; NC rows hatched at 0."""
+  fig = Figure(figsize=(1.2 + 0.55 * len(rows), 3.6))
+  ax = fig.add_subplot()
+  colors = {"base": "#8c8c8c", "+IM": "#6baed6", "+FedIA": "#2171b5", REFERENCE: "#e6550d"}
+  names = {"base": "base method", "+IM": "+IM (mask only)", "+FedIA": "+FedIA (IM+CAM)",
+           REFERENCE: "reference (Majority, Local, Centralized)"}
+  seen = set()
+  for i, row in enumerate(rows):
+    ok = converged(row)
+    label = names[row.variant] if row.variant not in seen else None
+    seen.add(row.variant)
+    ax.bar(i, row.acc.mean[-1] if ok else 0.0, yerr=row.acc.std[-1] if ok else None, capsize=3,
+           color=colors[row.variant], hatch=None if ok else "//", label=label)
+    if not ok:
+      ax.text(i, 0, "NC", ha="center", va="bottom", fontsize=8)
+  ax.set_xticks(range(len(rows)), [r.label for r in rows], rotation=45, ha="right", fontsize=8)
+  ax.set_ylabel("AVG test accuracy (%), ± std")
+  ax.set_ylim(0, 100)
+  ax.legend(fontsize=7, loc="upper right")
+  ax.set_title(title, fontsize=7, wrap=True)
+  report.save_figure(fig, path)
+
+
+def plot_grid_heatmap(result: RunResult, domains: Sequence[str], last: int, path,
+                      title: str = "", base_label: str = "FedAvg") -> report.DeltaGrid:
+  """grid.py's ΔAVG heatmap for a ``--select val`` sweep: the (ρ, β) cells against the base cell.
+
+  Args:
+    result: a sweep whose FedIA cells (mask and momentum) form the grid and
+      whose one cell without FedIA is the base method.
+    domains: D domain names. last: final rounds summarised.
+    path: destination image, e.g. ``heatmap-fedprox.png``.
+    title: dataset/setting. base_label: the base method as printed.
+
+  Returns:
+    The grid as drawn (``report.plot_heatmap``).
+
+  Raises:
+    ValueError: if the sweep has no grid cell or not exactly one base cell.
+  """
+  grid = np.flatnonzero(result.fedia & result.momentum)
+  base = np.flatnonzero(~np.asarray(result.fedia))
+  if len(base) != 1 or not len(grid):
+    raise ValueError(f"need FedIA grid cells and one base cell; got {len(grid)} and {len(base)}")
+
+  def runs(cells: np.ndarray) -> report.Runs:  # [S, G', ...] -> [len(cells), S, ...]
+    return report.Runs(*(np.moveaxis(getattr(result, name)[:, cells], 1, 0) for name in (
+        "test_acc", "test_bacc", "test_f1", "predicted_classes", "train_loss")))
+
+  skipped = np.asarray(result.nonfinite).sum(axis=(0, 2, 3))  # [G']
+  rows = report.summarize(report.Runs(*(x[0] for x in runs(base))), runs(grid), result.rho[grid],
+                          result.beta[grid], domains, last,
+                          skipped=np.concatenate([skipped[base], skipped[grid]]))
+  return report.plot_heatmap(rows, path, title, base_label)

@@ -25,8 +25,10 @@ def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, caps
     reader = csv.DictReader(f)
     rows = list(reader)
   expected_columns = ["method", "rho", "beta"] + [
-      f"{d}_{s}" for d in domains for s in ("mean", "std")] + [
-      "avg_mean", "avg_std", "std_over", "delta_avg", "skipped_updates"]
+      f"{d}_{metric}{s}" for metric in ("", "bacc_", "f1_") for d in domains + ["avg"]
+      for s in ("mean", "std")] + [
+      "std_over", "delta_avg", "delta_avg_ci", "delta_bacc", "constant_domains",
+      "train_loss_slope", "skipped_updates"]
   assert reader.fieldnames == expected_columns
   assert [r["method"] for r in rows] == ["fedavg"] + ["fedavg+fedia"] * 4
   assert rows[0]["rho"] == rows[0]["beta"] == ""
@@ -44,6 +46,16 @@ def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, caps
   assert history["fedia_test"].shape == (4, 1, 3, 3)  # [G, S, T, D]
   assert history["fedia_val"].shape == (4, 1, 3, 3)
   assert history["fedavg_test"].shape == (1, 3, 3)  # [S, T, D]
+  for name in ("fedia_test_bacc", "fedia_test_f1"):
+    assert history[name].shape == (4, 1, 3, 3)
+  for name in ("fedavg_test_bacc", "fedavg_test_f1"):
+    assert history[name].shape == (1, 3, 3)
+  assert history["predicted_classes"].shape == (1, 5, 3, 3)  # [S, G+1, T, D], FedAvg last
+  assert history["predicted_classes"].min() >= 1
+  # Balanced accuracy and F1 in the summary come from the history too.
+  assert float(rows[0]["avg_bacc_mean"]) == pytest.approx(
+      100 * history["fedavg_test_bacc"][0, -2:].mean(), abs=1e-3)
+  assert 0 <= int(rows[0]["constant_domains"]) <= 3
   assert list(history["domains"]) == domains
   np.testing.assert_allclose(history["rho"], [0.3, 0.3, 0.7, 0.7])
   np.testing.assert_allclose(history["beta"], [0.5, 0.9, 0.5, 0.9])

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_graph import config, data, methods, simulation, sweep
+from fedjax_graph import config, data, methods, models, simulation, sweep
 
 ROUNDS = 2
 
@@ -68,7 +68,7 @@ def test_moon_loss_is_ln2_when_all_representations_agree_and_finite_at_zero():
 
 def test_moon_local_loss_masks_padding(tiny):
   cfg, _ = tiny
-  model = simulation.make_model("pmlp_gcn", 5, 8)
+  model = models.make_model("pmlp_gcn", 5, 8)
   moon = methods.make_method("moon", model, cfg, {"mu": 2.0})
   z = jax.random.normal(jax.random.PRNGKey(0), (6, 8))
   far = z.at[4:].set(-z[4:])  # padding rows disagree, but are masked out
@@ -114,7 +114,7 @@ def test_feddyn_updates_only_participants_and_uses_total_client_count(tiny):
 @pytest.mark.parametrize("server_opt", methods.SERVER_OPTIMIZERS)
 def test_fedopt_zero_update_leaves_the_model_unchanged(tiny, server_opt):
   cfg, _ = tiny
-  model = simulation.make_model("pmlp_gcn", 5, 8)
+  model = models.make_model("pmlp_gcn", 5, 8)
   fedopt = methods.make_method("fedopt", model, cfg, {"server_opt": server_opt})
   params = {"w": jnp.arange(6.0).reshape(2, 3)}
   opt_state = fedopt.init(params, 3).server
@@ -269,7 +269,7 @@ def test_feddyn_stays_finite_over_many_rounds(tiny):
 
 def test_make_method_rejects_bad_names_and_values(tiny):
   cfg, _ = tiny
-  model = simulation.make_model("pmlp_gcn", 5, 8)
+  model = models.make_model("pmlp_gcn", 5, 8)
   with pytest.raises(ValueError, match="unknown method 'fedsgd'; choose from fedavg, fedprox"):
     methods.make_method("fedsgd", model, cfg)
   with pytest.raises(ValueError, match=r"fedprox: unknown hyper-parameter\(s\) \['lambda'\]"):
@@ -288,7 +288,7 @@ def test_make_method_rejects_bad_names_and_values(tiny):
 
 def test_defaults_file_names_known_methods_and_hparams(tiny):
   cfg, _ = tiny
-  model = simulation.make_model("pmlp_gcn", 5, 8)
+  model = models.make_model("pmlp_gcn", 5, 8)
   defaults = methods.method_defaults()
   for name, hparams in defaults["hparams"].items():
     assert methods.make_method(name, model, cfg, hparams).name == name

@@ -41,9 +41,14 @@ def _init(model, x, graph):
                     train=False)
 
 
-def _apply(model, params, x, graph, train):
-  return np.asarray(model.apply(params, jnp.asarray(x), graph, train=train,
-                                rngs={"dropout": jax.random.key(7)}))
+def _apply(model, params, x, graph, train, groups=None, num_groups=1):
+  return np.asarray(model.apply(params, jnp.asarray(x), graph, train=train, groups=groups,
+                                num_groups=num_groups, rngs={"dropout": jax.random.key(7)}))
+
+
+def _real(n_rows, n_real=N):
+  """Batch-norm groups: the first n_real rows are one graph, the rest padding."""
+  return jnp.where(jnp.arange(n_rows) < n_real, 0, 1)
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +114,8 @@ class TestPaddingInvariance:
     x, tight, padded = tight_and_padded
     model = models.make_model(name, num_classes=K, hidden=HIDDEN, num_layers=3, dropout=0.0)
     params = _init(model, tight.x, tight)
-    small = _apply(model, params, tight.x, tight, train)
-    big = _apply(model, params, _padded_x(x, 40), padded, train)
+    small = _apply(model, params, tight.x, tight, train, _real(N + 1))
+    big = _apply(model, params, _padded_x(x, 40), padded, train, _real(40))
     assert small.shape == (N + 1, K) and big.shape == (40, K)
     assert np.all(np.isfinite(small)) and np.all(np.isfinite(big))
     np.testing.assert_allclose(big[:N], small[:N], rtol=1e-5, atol=1e-5)
@@ -122,8 +127,8 @@ class TestPaddingInvariance:
     params = _init(model, padded.x, padded)
     csr = graphs.csr_graph(EDGES, N, 40)
     xp = _padded_x(x, 40)
-    via_csr = _apply(model, params, xp, csr, train=False)
-    via_shard = _apply(model, params, xp, padded, train=False)
+    via_csr = _apply(model, params, xp, csr, train=False, groups=_real(40))
+    via_shard = _apply(model, params, xp, padded, train=False, groups=_real(40))
     np.testing.assert_allclose(via_csr[:N], via_shard[:N], rtol=1e-5, atol=1e-5)
 
   def test_vmapped_models_on_csr_graph(self, tight_and_padded):
@@ -136,11 +141,11 @@ class TestPaddingInvariance:
     params = jax.tree.map(lambda *leaves: jnp.stack(leaves), *singles)
     csr = graphs.csr_graph(EDGES, N, 40)
     xp = jnp.asarray(_padded_x(x, 40))
-    apply = jax.jit(jax.vmap(lambda p: model.apply(p, xp, csr, train=False)))
+    apply = jax.jit(jax.vmap(lambda p: model.apply(p, xp, csr, train=False, groups=_real(40))))
     batched = np.asarray(apply(params))
     assert batched.shape == (3, 40, K)
     for b in range(3):
-      single = np.asarray(model.apply(singles[b], xp, padded, train=False))
+      single = np.asarray(model.apply(singles[b], xp, padded, train=False, groups=_real(40)))
       np.testing.assert_allclose(batched[b, :N], single[:N], rtol=1e-5, atol=1e-5)
     assert not np.allclose(batched[0, :N], batched[1, :N], atol=1e-4)
 
@@ -151,17 +156,18 @@ class TestPaddingInvariance:
     params = _init(model, padded.x, padded)
     xp = _padded_x(x, 40)
     for train in (False, True):
-      out = _apply(model, params, xp, padded, train)
+      out = _apply(model, params, xp, padded, train, _real(40))
       assert np.all(np.isfinite(out))
       np.testing.assert_array_equal(out[N:], np.broadcast_to(params["params"]["layer_2"]["bias"],
                                                              (40 - N, K)))
 
   def test_isolated_node_gcn_equals_mlp_row(self):
-    # An isolated node's GCN row is its own MLP row: A_hat has a 1 on its diagonal only.
+    # An isolated node's GCN row is its own MLP row: A_hat has a 1 on its diagonal only
+    # (without batch norm, whose statistics would mix in the other rows).
     x = _features()
     shard = _shard(x, EDGES, 16, 32)
-    gcn = models.make_model("gcn", num_classes=K, hidden=HIDDEN, num_layers=3)
-    mlp = models.make_model("mlp", num_classes=K, hidden=HIDDEN, num_layers=3)
+    gcn = models.make_model("gcn", num_classes=K, hidden=HIDDEN, num_layers=3, norm="none")
+    mlp = models.make_model("mlp", num_classes=K, hidden=HIDDEN, num_layers=3, norm="none")
     params = _init(gcn, shard.x, shard)
     out_gcn = _apply(gcn, params, shard.x, shard, train=False)
     out_mlp = _apply(mlp, params, shard.x, shard, train=False)
@@ -208,14 +214,63 @@ class TestWhereBackbonesPropagate:
     np.testing.assert_allclose(_apply(pmlp, params, g1.x, g1, False),
                                _apply(gcn, params, g1.x, g1, False), rtol=1e-6, atol=1e-6)
 
-  def test_mlp_train_rows_only(self, two_graphs):
-    # A non-propagating model treats rows independently: the first rows alone give the same.
+  def test_mlp_rows_depend_on_each_other_only_through_batch_norm(self, two_graphs):
     x, g1, _ = two_graphs
-    model = models.make_model("mlp", num_classes=K, hidden=HIDDEN, num_layers=3, dropout=0.0)
-    params = _init(model, g1.x, g1)
-    full = _apply(model, params, x, None, train=True)
-    np.testing.assert_allclose(_apply(model, params, x[:5], None, train=True), full[:5],
+    kw = dict(num_classes=K, hidden=HIDDEN, num_layers=3, dropout=0.0)
+    plain = models.make_model("mlp", norm="none", **kw)
+    params = _init(plain, g1.x, g1)
+    full = _apply(plain, params, x, None, train=True)
+    np.testing.assert_allclose(_apply(plain, params, x[:5], None, train=True), full[:5],
                                rtol=1e-6, atol=1e-6)
+    normed = models.make_model("mlp", **kw)
+    full = _apply(normed, params, x, None, train=True)
+    # The first 5 rows alone as the batch: other statistics, other outputs ...
+    assert not np.allclose(_apply(normed, params, x[:5], None, train=True), full[:5], atol=1e-4)
+    # ... but rows 5.. excluded from the statistics by their group give the same.
+    np.testing.assert_allclose(
+        _apply(normed, params, x, None, train=True, groups=_real(N, 5))[:5],
+        _apply(normed, params, x[:5], None, train=True), rtol=1e-5, atol=1e-5)
+
+
+class TestBatchNorm:
+
+  def test_hand_computed_groups_and_padding(self):
+    h = jnp.array([[1.0, 0.0], [3.0, 4.0], [10.0, 5.0], [20.0, 5.0], [7.0, 7.0]])
+    out = np.asarray(models.batch_norm(h, jnp.array([0, 0, 1, 1, 2]), num_groups=2))
+    # Group 0: mean (2, 2), var (1, 4); group 1: mean (15, 5), var (25, 0); row 4 is padding.
+    eps = models.BATCH_NORM_EPS
+    expected = [[-1 / np.sqrt(1 + eps), -2 / np.sqrt(4 + eps)],
+                [1 / np.sqrt(1 + eps), 2 / np.sqrt(4 + eps)],
+                [-5 / np.sqrt(25 + eps), 0.0], [5 / np.sqrt(25 + eps), 0.0], [0.0, 0.0]]
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    alone = models.batch_norm(h[:2])
+    np.testing.assert_allclose(out[:2], alone, rtol=1e-6)
+
+  def test_unknown_norm_raises(self):
+    with pytest.raises(ValueError, match="Unsupported norm: 'layer'"):
+      models.make_model("gcn", num_classes=K, norm="layer")
+
+  @pytest.mark.parametrize("name", ["pmlp_gcn", "gcn"])
+  def test_domains_fused_equal_each_alone(self, name):
+    # Two graphs with features 1000x apart, evaluated as one disjoint union with one group per
+    # domain (the fused evaluation), give what each gives alone: no statistic crosses domains.
+    x_a, x_b = _features(seed=8), 1000.0 * _features(seed=9) + 50.0
+    union = np.concatenate([x_a, x_b])
+    edges = np.concatenate([EDGES, EDGES + N], axis=1)
+    model = models.make_model(name, num_classes=K, hidden=HIDDEN, num_layers=3, dropout=0.0)
+    shard = _shard(x_a, EDGES, 16, 32)
+    params = _init(model, shard.x, shard)
+    domains = jnp.concatenate([jnp.zeros(N, jnp.int32), jnp.ones(N, jnp.int32),
+                               jnp.full(40 - 2 * N, 2)])
+    fused = _apply(model, params, _padded_x(union, 40), graphs.csr_graph(edges, 2 * N, 40),
+                   False, groups=domains, num_groups=2)
+    for d, x in enumerate((x_a, x_b)):
+      alone = _apply(model, params, x, graphs.csr_graph(EDGES, N, N), False)
+      np.testing.assert_allclose(fused[d * N:(d + 1) * N], alone, rtol=1e-4, atol=1e-4)
+    # One group over both domains would mix their statistics.
+    mixed = _apply(model, params, _padded_x(union, 40), graphs.csr_graph(edges, 2 * N, 40),
+                   False, groups=_real(40, 2 * N))
+    assert not np.allclose(mixed[:N], fused[:N], atol=1e-2)
 
 
 class TestGraphLinear:

@@ -1,4 +1,4 @@
-"""Resumable sweeps, non-finite updates, validated inputs and distinct random streams."""
+"""Resumable sweeps, non-finite updates, validated inputs and paired random streams."""
 
 import dataclasses
 import json
@@ -143,13 +143,31 @@ def test_empty_clients_error_or_weight_zero(tiny_wikinet):
   assert np.isfinite(history.alpha).all() and not history.nonfinite.any()
 
 
-def test_cells_and_seeds_never_share_a_key(setup):
+def test_cells_of_a_seed_are_paired_and_seeds_are_not(setup):
   _, federation, sim = setup
   cells = jax.device_put(sweep.grid_cells([0.1, 0.5], [0.3, 0.9]))
-  keys = np.asarray(sim.init(np.array(federation.seeds, np.int32), cells).key)  # [S, G', 2]
-  flat = [tuple(k) for k in keys.reshape(-1, keys.shape[-1])]
-  assert len(set(flat)) == len(flat) == 2 * 5
-  assert len(set(np.asarray(cells.stream).tolist())) == 5
+  state = sim.init(np.array(federation.seeds, np.int32), cells)
+  keys = np.asarray(state.key)  # [S, G', 2]
+  assert (keys == keys[:, :1]).all() and not (keys[0] == keys[1]).all()
+  kernel = np.asarray(state.params["params"]["layer_0"]["kernel"])  # [S, G', F, H]
+  assert (kernel == kernel[:, :1]).all() and not np.allclose(kernel[0], kernel[1])
+
+
+def test_paired_cells_start_alike_and_fedia_at_one_is_uniform_averaging(setup):
+  cfg, federation, _ = setup
+  # FedIA at rho = beta = 1 next to the base method with uniform weights, in one program.
+  cells = sweep.make_cells([(True, 1.0, 1.0), (False, 1.0, 1.0), (True, 0.3, 0.5),
+                            (True, 0.5, 0.5, False)])
+  history = sweep.run_sweep(cfg, federation, cells, rounds=4, progress=False,
+                            method_hparams={"weights": "uniform"})
+  first = history.train_loss[:, :, 0]  # [S, G'] round 1: same model, same dropout masks
+  np.testing.assert_array_equal(first, np.broadcast_to(first[:, :1], first.shape))
+  assert not np.allclose(first[0], first[1])  # seeds differ
+  np.testing.assert_allclose(history.train_loss[:, 0], history.train_loss[:, 1], rtol=1e-6)
+  np.testing.assert_allclose(history.alpha[:, 0], history.alpha[:, 1], rtol=1e-6)
+  np.testing.assert_array_equal(history.test_acc[:, 0], history.test_acc[:, 1])
+  # Later rounds do differ where the aggregation differs.
+  assert not np.allclose(history.train_loss[:, 2, 1:], history.train_loss[:, 1, 1:])
 
 
 @pytest.mark.parametrize("overrides, message", [

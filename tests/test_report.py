@@ -30,11 +30,21 @@ def _fedia_two_cells():
   return np.array([[cell0], [cell1]])
 
 
+def _runs(acc, classes=None, loss=None):
+  """Runs whose balanced accuracy and F1 equal ``acc``; 2 classes, flat loss, unless given."""
+  acc = np.asarray(acc, np.float64)
+  return report.Runs(acc, acc, acc, np.full(acc.shape, 2) if classes is None else classes,
+                     np.zeros(acc.shape[:-1]) if loss is None else loss)
+
+
+def _summarize(fedavg_acc, fedia_acc, rho, beta, domains=DOMAINS, last=2, **kwargs):
+  return report.summarize(_runs(fedavg_acc), _runs(fedia_acc), rho, beta, domains, last,
+                          **kwargs)
+
+
 @pytest.fixture
 def rows_one_seed():
-  return report.summarize(_fedavg_one_seed(), _fedia_two_cells(),
-                          rho=[0.5, 0.5], beta=[1.0, 2.0], domains=DOMAINS,
-                          last=2)
+  return _summarize(_fedavg_one_seed(), _fedia_two_cells(), rho=[0.5, 0.5], beta=[1.0, 2.0])
 
 
 def _grid(rhos, betas, delta_fn, seeds=1, rounds=4):
@@ -63,12 +73,56 @@ def _assert_no_temp_files(directory, expected):
 
 
 def test_columns_in_exact_order(rows_one_seed):
-  expected = ["method", "rho", "beta", "cora_mean", "cora_std", "dblp_mean",
-              "dblp_std", "avg_mean", "avg_std", "std_over", "delta_avg",
-              "skipped_updates"]
+  stats = lambda metric: [f"{d}{metric}_{s}" for d in DOMAINS + ["avg"] for s in ("mean", "std")]
+  expected = (["method", "rho", "beta"] + stats("") + stats("_bacc") + stats("_f1")
+              + ["std_over", "delta_avg", "delta_avg_ci", "delta_bacc", "constant_domains",
+                 "train_loss_slope", "skipped_updates"])
+  assert expected[3:9] == ["cora_mean", "cora_std", "dblp_mean", "dblp_std", "avg_mean",
+                           "avg_std"]
+  assert expected[9:11] == ["cora_bacc_mean", "cora_bacc_std"]
   assert report.summary_columns(DOMAINS) == expected
   for row in rows_one_seed:
     assert list(row) == expected
+
+
+def test_new_columns_three_paired_seeds_by_hand():
+  # S=3, T=2, D=2. FedAvg: accuracy 0.5, balanced accuracy 0.4, F1 0.3 everywhere.
+  fedavg = report.Runs(np.full((3, 2, 2), 0.5), np.full((3, 2, 2), 0.4), np.full((3, 2, 2), 0.3),
+                       np.full((3, 2, 2), 2), np.zeros((3, 2)))
+  # The cell gains 2, 4, 6 points on cora in seeds 0, 1, 2 (AVG +1, +2, +3) and 5 points of
+  # balanced accuracy; seed 1 predicts one class on dblp in both rounds, seed 2 on cora in
+  # the last round only; the loss falls 0.5 and 0.3 and rises 0.3 over the two rounds.
+  acc = np.full((3, 2, 2), 0.5)
+  acc[:, :, 0] += np.array([0.02, 0.04, 0.06])[:, None]
+  classes = np.full((3, 2, 2), 2)
+  classes[1, :, 1] = 1
+  classes[2, 1, 0] = 1
+  loss = np.array([[1.0, 0.5], [1.0, 0.7], [1.0, 1.3]])
+  cell = report.Runs(acc, np.full((3, 2, 2), 0.45), np.full((3, 2, 2), 0.3), classes, loss)
+  rows = report.summarize(fedavg, report.Runs(*(x[None] for x in cell)), [0.3], [0.5], DOMAINS,
+                          last=2, skipped=[0, 4])
+  expected = {
+      "method": "fedavg+fedia", "rho": 0.3, "beta": 0.5,
+      "cora_mean": 54.0, "cora_std": math.sqrt(8 / 3),  # 52, 54, 56 (ddof=0)
+      "dblp_mean": 50.0, "dblp_std": 0.0,
+      "avg_mean": 52.0, "avg_std": math.sqrt(2 / 3),    # 51, 52, 53
+      "cora_bacc_mean": 45.0, "cora_bacc_std": 0.0, "dblp_bacc_mean": 45.0,
+      "dblp_bacc_std": 0.0, "avg_bacc_mean": 45.0, "avg_bacc_std": 0.0,
+      "cora_f1_mean": 30.0, "cora_f1_std": 0.0, "dblp_f1_mean": 30.0, "dblp_f1_std": 0.0,
+      "avg_f1_mean": 30.0, "avg_f1_std": 0.0, "std_over": "seeds",
+      "delta_avg": 2.0, "delta_avg_ci": 4.302653 / math.sqrt(3),  # sd of 1, 2, 3 is 1
+      "delta_bacc": 5.0, "constant_domains": 1,
+      "train_loss_slope": (-0.5 - 0.3 + 0.3) / 3, "skipped_updates": 4}
+  assert list(rows[1]) == list(expected)
+  for key, value in expected.items():
+    assert rows[1][key] == (pytest.approx(value, rel=1e-6, abs=1e-9)
+                            if isinstance(value, float) else value), key
+  # Counted over the last round only, seed 2's cora joins in.
+  assert report.summarize(fedavg, report.Runs(*(x[None] for x in cell)), [0.3], [0.5], DOMAINS,
+                          last=1)[1]["constant_domains"] == 2
+  base = rows[0]
+  assert (base["delta_avg"], base["delta_avg_ci"], base["delta_bacc"]) == (0.0, "", 0.0)
+  assert (base["constant_domains"], base["train_loss_slope"]) == (0, 0.0)
 
 
 def test_single_seed_means_std_over_rounds_and_delta(rows_one_seed):
@@ -107,8 +161,7 @@ def test_two_seeds_std_over_seeds_ddof0():
       [[0.1, 0.3], [0.2, 0.3], [0.5, 0.6], [0.7, 0.8]],  # means .6, .7
       [[0.0, 0.0], [0.0, 0.0], [0.8, 0.6], [0.8, 0.6]],  # means .8, .6
   ])
-  rows = report.summarize(fedavg, fedavg[None] + 0.01, rho=[1.0], beta=[0.1],
-                          domains=DOMAINS, last=2)
+  rows = _summarize(fedavg, fedavg[None] + 0.01, rho=[1.0], beta=[0.1])
   base = rows[0]
   assert base["std_over"] == "seeds"
   assert base["cora_mean"] == pytest.approx(70.0)
@@ -124,7 +177,7 @@ def test_two_seeds_std_over_seeds_ddof0():
 
 def test_last_equal_to_t_uses_all_rounds():
   fedavg = _fedavg_one_seed()
-  rows = report.summarize(fedavg, fedavg[None], [1.0], [1.0], DOMAINS, last=4)
+  rows = _summarize(fedavg, fedavg[None], [1.0], [1.0], last=4)
   assert rows[0]["cora_mean"] == pytest.approx(37.5)
   assert rows[1]["delta_avg"] == pytest.approx(0.0)
 
@@ -132,11 +185,11 @@ def test_last_equal_to_t_uses_all_rounds():
 def test_nan_propagates_to_the_cell():
   fedia = _fedia_two_cells()
   fedia[1, 0, 3, 0] = np.nan
-  rows = report.summarize(_fedavg_one_seed(), fedia, [0.5, 0.5], [1.0, 2.0],
-                          DOMAINS, last=2)
+  rows = _summarize(_fedavg_one_seed(), fedia, [0.5, 0.5], [1.0, 2.0])
   assert math.isnan(rows[2]["cora_mean"])
   assert math.isnan(rows[2]["avg_mean"])
   assert math.isnan(rows[2]["delta_avg"])
+  assert math.isnan(rows[2]["delta_avg_ci"])  # one seed: no interval either way
   assert rows[2]["dblp_mean"] == pytest.approx(50.0)
   assert rows[1]["delta_avg"] == pytest.approx(5.0)
 
@@ -144,24 +197,44 @@ def test_nan_propagates_to_the_cell():
 @pytest.mark.parametrize("last", [0, 5, -1])
 def test_last_out_of_range_names_value(last):
   with pytest.raises(ValueError, match=f"last={last}"):
-    report.summarize(_fedavg_one_seed(), _fedia_two_cells(), [0.5, 0.5],
-                     [1.0, 2.0], DOMAINS, last=last)
+    _summarize(_fedavg_one_seed(), _fedia_two_cells(), [0.5, 0.5], [1.0, 2.0], last=last)
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(fedia_acc=np.zeros((2, 1, 3, 2))), "does not match"),
-    (dict(fedavg_acc=np.zeros((4, 2))), r"\[S, T, D\]"),
+    (dict(fedia=_runs(np.zeros((2, 1, 3, 2)))), "does not match"),
+    (dict(fedavg=_runs(np.zeros((4, 2)))), r"\[S, T, D\]"),
+    (dict(fedavg=_runs(_fedavg_one_seed())._replace(train_loss=np.zeros((1, 3)))),
+     r"fedavg.train_loss has shape \(1, 3\); expected \(1, 4\)"),
+    (dict(fedia=_runs(_fedia_two_cells())._replace(bacc=np.zeros((2, 1, 4, 1)))),
+     "fedia.bacc has shape"),
     (dict(rho=[0.5]), "rho shape"),
     (dict(domains=["cora"]), "domain names"),
     (dict(domains=["cora", "cora"]), "unique"),
     (dict(domains=["cora", "avg"]), "unique"),
 ])
 def test_shape_and_domain_mismatch_raise(kwargs, match):
-  args = dict(fedavg_acc=_fedavg_one_seed(), fedia_acc=_fedia_two_cells(),
+  args = dict(fedavg=_runs(_fedavg_one_seed()), fedia=_runs(_fedia_two_cells()),
               rho=[0.5, 0.5], beta=[1.0, 2.0], domains=DOMAINS, last=2)
   args.update(kwargs)
   with pytest.raises(ValueError, match=match):
     report.summarize(**args)
+
+
+def test_constant_warnings_name_seed_run_and_domains():
+  fedavg_classes = np.full((2, 4, 2), 2)
+  fedavg_classes[1, 2:, 0] = 1  # seed 8 of FedAvg: cora constant in the last 2 rounds
+  fedia_classes = np.full((2, 2, 4, 2), 2)
+  fedia_classes[1, 0, 2:] = 1  # cell 1, seed 7: both domains
+  fedia_classes[0, 1, 3, 1] = 1  # constant in one final round only: not reported
+  acc = np.full((2, 4, 2), 0.5)
+  lines = report.constant_warnings(_runs(acc, fedavg_classes),
+                                   _runs(np.stack([acc, acc]), fedia_classes),
+                                   [0.5, 0.5], [1.0, 2.0], DOMAINS, last=2, seeds=[7, 8])
+  assert lines == [
+      "seed 7, FedIA rho=0.5, beta=2: constant prediction on cora, dblp through the last 2 rounds",
+      "seed 8, FedAvg: constant prediction on cora through the last 2 rounds"]
+  assert report.constant_warnings(_runs(acc), _runs(np.stack([acc, acc])), [0.5, 0.5],
+                                  [1.0, 2.0], DOMAINS, last=2) == []
 
 
 # ----------------------------------------------------------------- selection
@@ -236,6 +309,9 @@ def test_csv_round_trip(tmp_path, rows_one_seed):
   assert back[1]["avg_std"] == "5.0000"
   assert back[1]["delta_avg"] == "5.0000"
   assert back[2]["avg_mean"] == "nan"
+  assert back[0]["delta_avg_ci"] == "" and back[1]["delta_avg_ci"] == "nan"  # one seed
+  assert back[1]["train_loss_slope"] == "0.0000e+00"
+  assert back[1]["constant_domains"] == "0"
   # ρ/β must survive exactly, not as 0.0000.
   assert float(back[2]["rho"]) == 1e-5
   assert float(back[2]["beta"]) == 2.0
@@ -293,7 +369,7 @@ def _heatmap_and_curves(tmp_path, rhos, betas, delta_fn, seeds=1, nan_cell=None,
   fedavg, fedia, rho, beta = _grid(rhos, betas, delta_fn, seeds=seeds)
   if nan_cell is not None:
     fedia[nan_cell, :, 2:, :] = np.nan
-  rows = report.summarize(fedavg, fedia, rho, beta, DOMAINS, last=2)
+  rows = _summarize(fedavg, fedia, rho, beta)
   heat, curves = tmp_path / "heat.png", tmp_path / "curves.png"
   report.plot_heatmap(rows, heat, title=title)
   report.plot_curves(fedavg, fedia, rows, curves, title, last=2)
@@ -323,15 +399,49 @@ def test_plots_with_nan_cell(tmp_path):
 def test_heatmap_partial_grid_and_all_nan(tmp_path):
   fedavg, fedia, rho, beta = _grid([0.1, 0.5], [0.5, 2.0], lambda r, b: 0.01)
   keep = [0, 1, 3]  # (0.5, 0.5) missing.
-  rows = report.summarize(fedavg, fedia[keep], rho[keep], beta[keep], DOMAINS,
-                          last=2)
+  rows = _summarize(fedavg, fedia[keep], rho[keep], beta[keep])
   report.plot_heatmap(rows, tmp_path / "partial.png")
   _assert_png(tmp_path / "partial.png")
   fedia[:] = np.nan
-  rows = report.summarize(fedavg, fedia, rho, beta, DOMAINS, last=2)
+  rows = _summarize(fedavg, fedia, rho, beta)
   report.plot_heatmap(rows, tmp_path / "nan.png", title="all diverged")
   _assert_png(tmp_path / "nan.png")
   _assert_no_temp_files(tmp_path, ["partial.png", "nan.png"])
+
+
+def test_heatmap_marks_paired_intervals_and_constant_cells(tmp_path):
+  # Cells row-major (0.1, 0.5), (0.1, 2), (0.5, 0.5), (0.5, 2); ρ=0.5 gains 1 point in every
+  # seed (sd 0: significant), ρ=0.1 gains nothing (0 is never outside the interval).
+  fedavg, fedia, rho, beta = _grid([0.1, 0.5], [0.5, 2.0], lambda r, b: 0.01 * (r == 0.5),
+                                   seeds=3)
+  fedia[3] += np.array([-0.03, 0.0, 0.03])[:, None, None]  # +1 on average, hw 4.30 * 3/√3 = 7.45
+  classes = np.full(fedia.shape, 2)
+  classes[1, 2, :, 1] = 1  # cell (0.1, 2), seed 2: dblp constant
+  rows = report.summarize(_runs(fedavg), _runs(fedia, classes), rho, beta, DOMAINS, last=2)
+  assert rows[4]["delta_avg"] == pytest.approx(1.0) and rows[4]["delta_avg_ci"] == pytest.approx(
+      4.302653 * 3 / math.sqrt(3), rel=1e-5)
+  grid = report.plot_heatmap(rows, tmp_path / "heat.png", title="marks")
+  np.testing.assert_array_equal(grid.significant, [[False, False], [True, False]])
+  np.testing.assert_array_equal(grid.constant, [[False, True], [False, False]])
+  np.testing.assert_allclose(grid.delta, [[0.0, 0.0], [1.0, 1.0]], atol=1e-9)
+  _assert_png(tmp_path / "heat.png")
+  labels = report.plot_curves(fedavg, fedia, rows, tmp_path / "curves.png", "t", last=2)
+  assert labels == ["FedAvg", "FedAvg+FedIA (ρ=0.5, β=0.5)"]
+
+  # One seed: the same deltas carry no interval, so nothing is marked significant.
+  fedavg, fedia, rho, beta = _grid([0.1, 0.5], [0.5, 2.0], lambda r, b: 0.01 * (r == 0.5))
+  one = report.plot_heatmap(_summarize(fedavg, fedia, rho, beta), tmp_path / "one.png")
+  assert not one.significant.any()
+
+
+def test_curves_say_when_a_plotted_run_ends_constant(tmp_path):
+  fedavg, fedia, rho, beta = _grid([0.1], [0.5, 2.0], lambda r, b: 0.01 * b)
+  classes = np.full(fedia.shape, 2)
+  classes[1, 0, :, :] = 1  # the best cell (β=2) predicts one class on both domains
+  rows = report.summarize(_runs(fedavg), _runs(fedia, classes), rho, beta, DOMAINS, last=2)
+  labels = report.plot_curves(fedavg, fedia, rows, tmp_path / "c.png", "t", last=2)
+  assert labels == ["FedAvg",
+                    "FedAvg+FedIA (ρ=0.1, β=2): constant on 2 (seed, domain) pair(s)"]
 
 
 def test_curves_rejects_mismatched_rows(tmp_path, rows_one_seed):
@@ -356,12 +466,9 @@ def test_module_does_not_import_jax():
 
 
 def test_skipped_updates_column_counts_per_method():
-  rows = report.summarize(_fedavg_one_seed(), _fedia_two_cells(), rho=[0.5, 0.5],
-                          beta=[1.0, 2.0], domains=DOMAINS, last=2, skipped=[3, 0, 7])
+  args = (_fedavg_one_seed(), _fedia_two_cells(), [0.5, 0.5], [1.0, 2.0])
+  rows = _summarize(*args, skipped=[3, 0, 7])
   assert [r["skipped_updates"] for r in rows] == [3, 0, 7]
-  assert all(r["skipped_updates"] == 0 for r in report.summarize(
-      _fedavg_one_seed(), _fedia_two_cells(), rho=[0.5, 0.5], beta=[1.0, 2.0],
-      domains=DOMAINS, last=2))
+  assert all(r["skipped_updates"] == 0 for r in _summarize(*args))
   with pytest.raises(ValueError, match="skipped has shape"):
-    report.summarize(_fedavg_one_seed(), _fedia_two_cells(), rho=[0.5, 0.5], beta=[1.0, 2.0],
-                     domains=DOMAINS, last=2, skipped=[1, 2])
+    _summarize(*args, skipped=[1, 2])

@@ -20,9 +20,10 @@ def _seed_slice(tree, s):
   return jax.tree.map(lambda leaf: leaf[s], tree)
 
 
-@pytest.mark.parametrize("backbone", ["pmlp_gcn", "gcn"])
-def test_vmapped_clients_equal_python_loop(tiny_wikinet, backbone):
-  cfg = config.load_preset("wikinet", hidden=8, backbone=backbone)
+@pytest.mark.parametrize("backbone, norm_rows", [("pmlp_gcn", "train"), ("pmlp_gcn", "all"),
+                                                ("gcn", "train")])
+def test_vmapped_clients_equal_python_loop(tiny_wikinet, backbone, norm_rows):
+  cfg = config.load_preset("wikinet", hidden=8, backbone=backbone, norm_rows=norm_rows)
   federation = data.build_federation(cfg, tiny_wikinet, seeds=[3])
   sim = simulation.make_simulation(cfg, federation)
   shards = _seed_slice(simulation.sim_data(federation).client_shards, 0)
@@ -31,14 +32,37 @@ def test_vmapped_clients_equal_python_loop(tiny_wikinet, backbone):
   keys = simulation.client_keys(jax.random.PRNGKey(1), 0, federation.num_clients)
   args = (federation, sim.model.propagate_train, params, shards, keys)
   vmapped = jax.jit(lambda p, sh, k: simulation.client_updates(
-      sim.local_update, federation, sim.model.propagate_train, p, sh, k))(params, shards, keys)
-  looped = simulation.client_updates_loop(jax.jit(sim.local_update), *args)
+      sim.local_update, federation, sim.model.propagate_train, p, sh, k,
+      rows_only=norm_rows == "train"))(params, shards, keys)
+  looped = simulation.client_updates_loop(jax.jit(sim.local_update), *args,
+                                          rows_only=norm_rows == "train")
   chex_close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   jax.tree.map(chex_close, vmapped, looped)
   # Clients differ (distinct data and dropout keys) and the update is not trivial.
   kernel = vmapped[0]["params"]["layer_0"]["kernel"]
   assert np.abs(kernel).max() > 0
   assert not np.allclose(kernel[0], kernel[1])
+
+
+@pytest.mark.parametrize("norm", ["none", "batch"])
+def test_training_rows_only_changes_only_the_batch_norm_statistics(tiny_wikinet, norm):
+  # Without batch norm the rows are independent: training on the first rows only gives the
+  # update of training on every row. With it, the statistics (train nodes vs all nodes) differ.
+  updates = {}
+  for rows in ("train", "all"):
+    cfg = config.load_preset("wikinet", hidden=8, norm=norm, norm_rows=rows, dropout=0.0)
+    federation = data.build_federation(cfg, tiny_wikinet, seeds=[0])
+    sim = simulation.make_simulation(cfg, federation)
+    params = sim.model.clone(propagate_eval=False).init(jax.random.PRNGKey(0), jnp.zeros((1, 8)),
+                                                        None, train=False)
+    keys = simulation.client_keys(jax.random.PRNGKey(1), 0, federation.num_clients)
+    updates[rows] = simulation.client_updates(
+        sim.local_update, federation, False, params,
+        _seed_slice(simulation.sim_data(federation).client_shards, 0), keys,
+        rows_only=rows == "train")[0]
+  same = jax.tree.map(lambda a, b: np.allclose(a, b, rtol=1e-4, atol=1e-6), updates["train"],
+                      updates["all"])
+  assert all(jax.tree.leaves(same)) == (norm == "none")
 
 
 def test_one_compile_for_a_grid_over_many_chunks(setup):
@@ -96,9 +120,9 @@ def test_server_step_fedia_rho1_beta1_equals_uniform_fedavg(setup):
   losses = jnp.zeros((num_clients, cfg.local_steps))
   equal_counts = jnp.ones(num_clients)
   run = jax.jit(sim.aggregate)
-  fedia_cell = simulation.Cells(jnp.float32(1.0), jnp.float32(1.0), jnp.bool_(True), 0,
+  fedia_cell = simulation.Cells(jnp.float32(1.0), jnp.float32(1.0), jnp.bool_(True),
                                 jnp.bool_(True))
-  fedavg_cell = simulation.Cells(jnp.float32(1.0), jnp.float32(1.0), jnp.bool_(False), 1,
+  fedavg_cell = simulation.Cells(jnp.float32(1.0), jnp.float32(1.0), jnp.bool_(False),
                                  jnp.bool_(False))
   new_ia, _ = run(state, fedia_cell, updates, losses, equal_counts)
   new_avg, _ = run(state, fedavg_cell, updates, losses, equal_counts)

@@ -8,20 +8,28 @@ import pytest
 from PIL import Image
 
 from conftest import script_main, usage_error
-from fedjax_graph import comparison, config, sweep, tables
+from fedjax_graph import analysis, comparison, config, sweep, tables
 
 
 def test_table_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, capsys):
   out = tmp_path / "table"
-  script_main("table")(["--dataset", "wikinet", "--methods", "fedavg,feddyn", "--rounds", "2",
+  script_main("table")(["--dataset", "wikinet", "--methods",
+                        "fedavg,feddyn,majority,local,centralized", "--rounds", "2",
                         "--seeds", "0,1", "--raw-dir", str(raw_dir), "--cache-dir",
                         str(prepared_cache), "--out", str(out), "--no-progress"])
   printed = capsys.readouterr().out
   assert "| FedDyn+FedIA | ρ=0.5, β=0.5 |" in printed
   with open(out / "table.csv") as f:
     rows = list(csv.DictReader(f))
-  assert [r["method"] for r in rows] == ["FedAvg", "FedAvg+FedIA", "FedDyn", "FedDyn+FedIA"]
+  assert [r["method"] for r in rows] == ["FedAvg", "FedAvg+FedIA", "FedDyn", "FedDyn+FedIA",
+                                         "Majority", "Local", "Centralized"]
+  assert [r["variant"] for r in rows[4:]] == ["reference"] * 3
   assert all(r["status"] == "ok" for r in rows)
+  # The majority row predicts one class per domain in both seeds, and is still shown.
+  assert [rows[4][f"{d}_constant"] for d in ("chameleon", "squirrel", "crocodile")] == ["2"] * 3
+  for r in rows[4:]:
+    assert r["AVG_delta_base"] == "" and float(r["delta_fedavg"]) == pytest.approx(
+        float(r["AVG_mean"]) - float(rows[0]["AVG_mean"]), abs=1e-3)
   for r in rows:
     means = [float(r[f"{d}_mean"]) for d in ("chameleon", "squirrel", "crocodile")]
     assert float(r["AVG_mean"]) == pytest.approx(np.mean(means), abs=1e-3)
@@ -76,7 +84,7 @@ def test_table_resume_equals_uninterrupted(tiny_config, tiny_wikinet, tmp_path, 
   for name in ("fedavg", "scaffold"):
     a = comparison.load_run(whole / "runs" / f"{name}.npz")
     b = comparison.load_run(tmp_path / "cut" / "runs" / f"{name}.npz")
-    for field in comparison.RunResult._fields[:-1]:  # all but the wall time
+    for field in tables.RunResult._fields[:-1]:  # all but the wall time
       np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
   assert (whole / "table.csv").read_text() == (tmp_path / "cut" / "table.csv").read_text()
   with pytest.raises(ValueError, match="finished run; pass --overwrite"):
@@ -90,7 +98,7 @@ def test_select_val_reports_the_best_validation_cell(tiny_config, tiny_wikinet, 
                              domain_graphs=tiny_wikinet)
   run = comparison.load_run(out / "runs" / "fedprox.npz")
   assert run.test_acc.shape[1] == 26  # the 5x5 grid and the base method, one sweep
-  val_avg = [tables.final_accuracy(run.val_acc[:, g], 1)[:, -1].mean() for g in range(25)]
+  val_avg = [analysis.final_rounds(run.val_acc[:, g], 1)[:, -1].mean() for g in range(25)]
   best = int(np.argmax(val_avg))
   record = json.loads((out / "config.json").read_text())
   assert record["fedia_selected"]["fedprox"] == pytest.approx([run.rho[best], run.beta[best]])
