@@ -10,7 +10,6 @@ Writes table.md, table.csv, table.tex, table.png, config.json and
 runs/<setting>.npz into --out; an interrupted run continues with --resume DIR.
 """
 
-import argparse
 import pathlib
 import sys
 
@@ -18,29 +17,27 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from fedjax_graph import cli, methods  # noqa: E402
 from fedjax_graph.comparison import resume_ablation, run_ablation  # noqa: E402
-from fedjax_graph.config import load_preset  # noqa: E402
+from fedjax_graph.rundir import default_out_dir  # noqa: E402
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  cli.add_federation_flags(parser)
-  cli.add_sweep_flags(parser)
-  cli.add_output_flags(parser)
+  parser = cli.sweep_parser(__doc__)
   parser.add_argument("--settings", type=cli.str_list, default=None,
                       help="comma list of presets of --dataset (default: s1,s3 for twitch, "
                            "default for wikinet; --setting X alone means X)")
-  parser.add_argument("--method-config", type=pathlib.Path, default=methods.METHODS_FILE,
-                      help="YAML with FedAvg's (rho, beta) per setting "
-                           "(default: configs/methods/defaults.yaml)")
-  args = parser.parse_args(argv)
+  cli.add_method_config_flag(parser, "FedAvg's (rho, beta) per setting")
+  args = cli.parse_args(parser, argv)
 
   def run():
     if args.resume:
       return resume_ablation(args.resume, **cli.resume_kwargs(args))
-    if args.dataset is None:
-      parser.error("--dataset is required (unless --resume DIR)")
-    if args.settings is None:
+    if args.config is not None:
+      if args.settings:
+        parser.error("--settings names presets; with --config FILE the file is the one setting")
+      args.settings = [None]
+    elif args.dataset is None:
+      parser.error("--dataset or --config FILE is required (unless --resume DIR)")
+    elif args.settings is None:
       args.settings = ([args.setting] if args.setting
                        else ["s1", "s3"] if args.dataset == "twitch" else ["default"])
     elif args.setting and args.setting not in args.settings:
@@ -48,14 +45,13 @@ def main(argv=None):
                    "give one of the two")
     if not args.settings or len(set(args.settings)) != len(args.settings):
       parser.error(f"settings = {args.settings}; give at least one, without repeats")
-    configs = [load_preset(args.dataset, s, **cli.preset_overrides(args)) for s in args.settings]
+    configs = [cli.config_from_args(parser, args, s) for s in args.settings]
+    args.out = args.out or default_out_dir(configs[0], "ablation")  # so that Ctrl-C can name it
     return run_ablation(configs, args.seeds, args.rounds, cli.last_from_args(args),
-                        defaults=methods.method_defaults(args.method_config),
-                        **cli.run_kwargs(args, nonfinite="skip"))
+                        methods.method_defaults(args.method_config),
+                        cli.run_controls(args, nonfinite="skip"))
 
-  cli.guarded(parser, run, "interrupted; finished settings (and the running one's last "
-                           "checkpoint, if one was written) are kept: continue with --resume on "
-                           "the output folder")
+  cli.guarded(parser, run, args)
 
 if __name__ == "__main__":
   main()

@@ -19,12 +19,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from fedjax_graph import cells as cells_lib  # noqa: E402
 from fedjax_graph import cli  # noqa: E402
-from fedjax_graph.config import load_preset  # noqa: E402
 from fedjax_graph.data import build_federation, load_dataset  # noqa: E402
-from fedjax_graph.simulation import (client_keys, client_updates_loop, make_simulation,  # noqa: E402
+from fedjax_graph.simulation import (client_keys, for_each_client, make_simulation,  # noqa: E402
                                      sim_data)
-from fedjax_graph.sweep import grid_cells  # noqa: E402
 
 
 def timed(fn, *args, **kwargs):
@@ -52,35 +51,43 @@ def seed_data(data, s):
 
 
 def looped_runs(sim, federation, state0, cells, data, rounds, warmup):
-  """Final test accuracy f32[S, G', D] of every run, clients and runs in Python loops.
+  """Final test accuracy f32[S, G', D] of every run (cells in order), clients and runs in Python loops.
 
-  With ``warmup``, runs one round of run (0, 0) only (to compile) and returns None.
+  With ``warmup``, runs one round of the first cell of each aggregator group only (to
+  compile) and returns None.
   """
-  local_update, aggregate, evaluate = (jax.jit(sim.local_update), jax.jit(sim.aggregate),
-                                       jax.jit(sim.evaluate))
-  num_seeds, num_cells = len(federation.seeds), len(cells.rho)
-  final = np.zeros((num_seeds, num_cells, len(federation.domains)), np.float32)
+  local_update, evaluate = jax.jit(sim.local_update), jax.jit(sim.evaluate)
+  aggregate = jax.jit(sim.aggregate, static_argnums=1)  # the aggregator's name
+  num_seeds = len(federation.seeds)
+  final = np.zeros((num_seeds, len(cells), len(federation.domains)), np.float32)
+  batch = cells.batch()
   for s in range(1 if warmup else num_seeds):
     data_s = seed_data(data, s)
-    for g in range(1 if warmup else num_cells):
-      state = jax.tree.map(lambda leaf: leaf[s, g], state0)
-      cell = jax.tree.map(lambda leaf: leaf[g], cells)
-      for t in range(1 if warmup else rounds):
-        updates, losses = client_updates_loop(
-            local_update, federation, sim.model.propagate_train, state.params,
-            data_s.client_shards, client_keys(state.key, t, federation.num_clients))
-        state, _ = aggregate(state, cell, updates, losses, data_s.train_counts)
-        test, _ = evaluate(state.params, data_s.eval_val, data_s.eval_test, data_s.eval_owner,
-                           data_s)
-      final[s, g] = np.asarray(test.acc)
+    for group_state, group, values, members in zip(state0, batch.groups, batch.values,
+                                                   cells.members):
+      for j, g in enumerate(members[:1] if warmup else members):
+        state = jax.tree.map(lambda leaf: leaf[s, j], group_state)
+        hparams = {name: v[j] for name, v in values.items()}
+        for t in range(1 if warmup else rounds):
+          outputs = for_each_client(local_update, federation, sim.training_input, state.params,
+                                    state.params, data_s.client_shards,
+                                    client_keys(state.key, t, federation.num_clients),
+                                    backend="loop")
+          state, _ = aggregate(state, group.aggregator, hparams, outputs, data_s.train_counts)
+          test, _ = evaluate(state.params, data_s.eval_val, data_s.eval_test, data_s.eval_owner,
+                             data_s)
+        final[s, g] = np.asarray(test.acc)
   return None if warmup else final
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--dataset", default="twitch", choices=["twitch", "wikinet"])
-  parser.add_argument("--setting", default="s3", help="preset in configs/ (default: %(default)s)")
+  parser.add_argument("--dataset", default=None, choices=list(cli.DATASETS),
+                      help="the preset's dataset (default: twitch)")
+  parser.add_argument("--setting", default=None,
+                      help="preset in configs/ (default: s3 for twitch, else the first)")
+  cli.add_config_flags(parser)
   parser.add_argument("--rounds", type=int, default=4, help="rounds per timed call (default: 4)")
   parser.add_argument("--rho", type=cli.float_list, default="0.1,0.5")
   parser.add_argument("--beta", type=cli.float_list, default="0.3,0.9")
@@ -91,14 +98,17 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.rounds < 1:
     parser.error(f"--rounds {args.rounds}: must be >= 1")
+  if args.config is None:
+    args.dataset = args.dataset or "twitch"
+    args.setting = args.setting or ("s3" if args.dataset == "twitch" else None)
+  config = cli.config_from_args(parser, args)
   try:
-    config = load_preset(args.dataset, args.setting)
-    cells = grid_cells(args.rho, args.beta)
+    cells = cells_lib.grid("fedia", rho=args.rho, beta=args.beta)
   except ValueError as err:
     parser.error(str(err))
   domain_graphs, _ = load_dataset(config.dataset, args.raw_dir, args.cache_dir)
   federation = build_federation(config, domain_graphs, args.seeds)
-  C, G, S, R, steps = (federation.num_clients, len(cells.rho), len(args.seeds), args.rounds,
+  C, G, S, R, steps = (federation.num_clients, len(cells), len(args.seeds), args.rounds,
                        config.local_steps)
   print(f"== setup: {config.dataset} {config.setting}, {config.backbone}, jax {jax.__version__} "
         f"on {jax.devices()[0].platform} ({len(jax.devices())} device(s))")
@@ -112,16 +122,17 @@ def main(argv=None):
   print("== vectorised (vmap over seeds x cells x clients, scan over rounds)")
   sim = make_simulation(config, federation)
   data = sim_data(federation)
-  cells = jax.device_put(cells)
-  state0 = jax.block_until_ready(sim.init(np.asarray(federation.seeds, np.int32), cells))
-  (state, first_metrics), first_s = timed(sim.run_chunk, state0, np.int32(0), cells, data,
+  batch = jax.device_put(cells.batch())
+  state0 = jax.block_until_ready(sim.init(np.asarray(federation.seeds, np.int32), batch))
+  (state, first_metrics), first_s = timed(sim.run_chunk, state0, np.int32(0), batch, data,
                                           num_rounds=R)
-  _, second_s = timed(sim.run_chunk, state, np.int32(R), cells, data, num_rounds=R)
+  _, second_s = timed(sim.run_chunk, state, np.int32(R), batch, data, num_rounds=R)
   assert sim.trace_count[0] == 1, f"run_chunk traced {sim.trace_count[0]} times"
   print(f"  first call (compile + run): {first_s:.3f} s; second call (run): {second_s:.3f} s; "
         f"compile ~ {first_s - second_s:.3f} s; trace_count = {sim.trace_count[0]}")
   vec_rc, vec_steps = rates("second call", second_s, R, G * S, C, steps)
-  vec_final = np.asarray(first_metrics.test_acc[:, :, -1])  # [S, G', D]
+  # The program returns the cells group by group; put them in cell order.
+  vec_final = np.asarray(first_metrics.test_acc[:, np.argsort(cells.order()), -1])  # [S, G', D]
 
   loop = None
   if not args.skip_loop:

@@ -22,17 +22,13 @@ from fedjax_graph import cli  # noqa: E402
 from fedjax_graph.dissection import run_diagnose  # noqa: E402
 
 
-def str_list(text: str) -> list[str]:
-  return [v.strip() for v in text.split(",") if v.strip()]
-
-
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   cli.add_federation_flags(parser)
-  parser.add_argument("--backbones", type=str_list, default="pmlp_gcn,mlp,gcn",
+  parser.add_argument("--backbones", type=cli.str_list, default="pmlp_gcn,mlp,gcn",
                       help="comma list of backbones (default: %(default)s)")
-  parser.add_argument("--aggregators", type=str_list, default="fedavg,fedia",
+  parser.add_argument("--aggregators", type=cli.str_list, default="fedavg,fedia",
                       help="comma list from fedavg, fedia (default: %(default)s)")
   parser.add_argument("--checkpoints", type=cli.int_list, default=None,
                       help="1-based rounds at which to take the diagnostics, in [1, rounds] "

@@ -1,7 +1,12 @@
-"""FedAvg vs FedAvg+FedIA over a rho x beta grid, as one compiled program.
+"""FedAvg vs FedAvg+<aggregator> over a grid of its hyper-parameters, as one compiled program.
 
   python experiments/grid.py --dataset wikinet
   python experiments/grid.py --dataset twitch --setting s3 --seeds 0,1,2
+  python experiments/grid.py --dataset wikinet --aggregator gma --tau 0.1,0.3,0.5
+
+The aggregator (default fedia) runs at every combination of its
+hyper-parameters' values (default for each: 0.1,0.3,0.5,0.7,0.9, the FedIA
+paper's search space), next to one FedAvg cell, all seeds in one batch.
 
 Writes config.json, history.npz, summary.csv, heatmap.png and curves.png into
 --out (default results/<dataset>-<setting>-<timestamp>/). The simulation state
@@ -10,37 +15,47 @@ is checkpointed every chunk; an interrupted run continues with
   python experiments/grid.py --resume results/<run>
 """
 
-import argparse
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from fedjax_graph import cli  # noqa: E402
+from fedjax_graph import aggregators, cli  # noqa: E402
+from fedjax_graph.comparison import GRID  # noqa: E402
 from fedjax_graph.experiment import resume_grid, run_grid  # noqa: E402
+from fedjax_graph.rundir import default_out_dir  # noqa: E402
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  cli.add_federation_flags(parser)
-  cli.add_sweep_flags(parser)
-  parser.add_argument("--rho", type=cli.float_list, default="0.1,0.3,0.5,0.7,0.9",
-                      help="FedIA mask ratios, comma list in (0, 1] (default: %(default)s)")
-  parser.add_argument("--beta", type=cli.float_list, default="0.1,0.3,0.5,0.7,0.9",
-                      help="FedIA momentum factors, comma list in [0, 1] (default: %(default)s)")
-  cli.add_output_flags(parser)
-  args = parser.parse_args(argv)
+  parser = cli.sweep_parser(__doc__)
+  names = [n for n in aggregators.REGISTRY if n != "fedavg"]
+  parser.add_argument("--aggregator", default="fedia", choices=names,
+                      help="the server rule compared with FedAvg (default: %(default)s)")
+  hparams = {}  # every hyper-parameter of any aggregator, and whose it is
+  for name in names:
+    for hparam in aggregators.get(name).hparams:
+      hparams.setdefault(hparam, []).append(name)
+  for hparam, owners in hparams.items():
+    parser.add_argument(f"--{hparam}", type=cli.float_list, default=None,
+                        help=f"comma list of values of {hparam} ({', '.join(owners)}; default: "
+                             f"{','.join(f'{v:g}' for v in GRID)})")
+  args = cli.parse_args(parser, argv)
 
   def run():
     if args.resume:
       return resume_grid(args.resume, **cli.resume_kwargs(args))
     config = cli.config_from_args(parser, args)
-    return run_grid(config, args.rho, args.beta, args.seeds, args.rounds,
-                    cli.last_from_args(args), **cli.run_kwargs(args, nonfinite="error"))
+    args.out = args.out or default_out_dir(config)  # so that Ctrl-C can name it
+    own = aggregators.get(args.aggregator).hparams
+    foreign = [f"--{h}" for h in hparams if getattr(args, h) is not None and h not in own]
+    if foreign:
+      parser.error(f"{', '.join(foreign)}: not a hyper-parameter of --aggregator "
+                   f"{args.aggregator}, whose are {', '.join(own) or 'none'}")
+    grid = {h: getattr(args, h) or list(GRID) for h in own}
+    return run_grid(config, args.aggregator, grid, args.seeds, args.rounds,
+                    cli.last_from_args(args), cli.run_controls(args, nonfinite="error"))
 
-  cli.guarded(parser, run, "interrupted; the run's last checkpoint is kept: continue it with "
-                           "--resume DIR")
+  cli.guarded(parser, run, args)
 
 if __name__ == "__main__":
   main()

@@ -12,22 +12,18 @@ table.tex, table.png, config.json and runs/<method>.npz into --out. An
 interrupted table continues with --resume DIR.
 """
 
-import argparse
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from fedjax_graph import cli, methods, references  # noqa: E402
-from fedjax_graph.comparison import SELECTIONS, resume_table, run_table  # noqa: E402
+from fedjax_graph.comparison import AGGREGATORS, SELECTIONS, resume_table, run_table  # noqa: E402
+from fedjax_graph.rundir import default_out_dir  # noqa: E402
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  cli.add_federation_flags(parser)
-  cli.add_sweep_flags(parser)
-  cli.add_output_flags(parser)
+  parser = cli.sweep_parser(__doc__)
   every = list(methods.METHODS) + list(references.REFERENCES)
   parser.add_argument("--methods", type=cli.str_list, default=",".join(every),
                       help="comma list of base methods from " + ", ".join(methods.METHODS)
@@ -35,26 +31,28 @@ def main(argv=None):
                            + " (majority class, local training alone, centralised training; "
                              "no +FedIA)"
                            + " (default: all)")
+  parser.add_argument("--aggregators", type=cli.str_list, default="fedia",
+                      help="comma list of server rules, each replacing every method's own "
+                           f"averaging in a row of its own, from {', '.join(AGGREGATORS)} "
+                           "(default: %(default)s, the paper's +FedIA)")
   parser.add_argument("--select", choices=SELECTIONS, default="fixed",
-                      help="(rho, beta) of +FedIA: fixed (from --method-config) or val (best "
-                           "validation AVG over the 5x5 grid, one sweep per method) "
-                           "(default: %(default)s)")
-  parser.add_argument("--method-config", type=pathlib.Path, default=methods.METHODS_FILE,
-                      help="YAML with each method's hyper-parameters and (rho, beta) "
-                           "(default: configs/methods/defaults.yaml)")
-  args = parser.parse_args(argv)
+                      help="each aggregator's hyper-parameters: fixed (from --method-config) or "
+                           "val (best validation AVG over its grid, each hyper-parameter over "
+                           "0.1,...,0.9, in the method's one sweep) (default: %(default)s)")
+  cli.add_method_config_flag(parser, "each method's hyper-parameters, FedIA's (rho, beta) "
+                                     "and the other aggregators'")
+  args = cli.parse_args(parser, argv)
 
   def run():
     if args.resume:
       return resume_table(args.resume, **cli.resume_kwargs(args))
     config = cli.config_from_args(parser, args)
+    args.out = args.out or default_out_dir(config, "table")  # so that Ctrl-C can name it
     return run_table(config, args.methods, args.seeds, args.rounds, cli.last_from_args(args),
-                     select=args.select, defaults=methods.method_defaults(args.method_config),
-                     **cli.run_kwargs(args, nonfinite="skip"))
+                     args.select, args.aggregators, methods.method_defaults(args.method_config),
+                     cli.run_controls(args, nonfinite="skip"))
 
-  cli.guarded(parser, run, "interrupted; finished methods (and the running one's last "
-                           "checkpoint, if one was written) are kept: continue with --resume on "
-                           "the output folder")
+  cli.guarded(parser, run, args)
 
 if __name__ == "__main__":
   main()

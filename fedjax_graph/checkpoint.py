@@ -1,9 +1,10 @@
 """Atomic checkpoints of a sweep: the batched simulation state and the history so far.
 
-A checkpoint is one msgpack file (``flax.serialization``) written to a
-temporary name and renamed, so a crash leaves either the previous checkpoint
-or the new one, never a torn file. It carries a fingerprint of the sweep's
-setup, so a run is only ever resumed with the setup it was started with.
+A checkpoint is one msgpack file (``flax.serialization``) written with
+``io.atomic_write`` (a temporary name, then a rename), so a crash leaves either
+the previous checkpoint or the new one, never a torn file. It carries a
+fingerprint of the sweep's setup, so a run is only ever resumed with the setup
+it was started with.
 """
 
 import hashlib
@@ -14,6 +15,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from flax import serialization
+
+from fedjax_graph.io import atomic_write
 
 FORMAT_VERSION = 1
 
@@ -40,8 +43,7 @@ def fingerprint(setup: Any) -> str:
 
 
 def save(path: os.PathLike, checkpoint: Checkpoint) -> None:
-  """Writes ``checkpoint`` to ``path`` atomically (temp file in the same folder, then rename)."""
-  path = pathlib.Path(path)
+  """Writes ``checkpoint`` to ``path`` atomically (``io.atomic_write``)."""
   payload = serialization.msgpack_serialize({
       "version": FORMAT_VERSION,
       "state": serialization.to_state_dict(checkpoint.state),
@@ -49,26 +51,29 @@ def save(path: os.PathLike, checkpoint: Checkpoint) -> None:
       "next_round": checkpoint.next_round,
       "fingerprint": checkpoint.fingerprint,
   })
-  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-  try:
-    with open(tmp, "wb") as f:
-      f.write(payload)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  finally:
-    tmp.unlink(missing_ok=True)
+  atomic_write(path, lambda f: f.write(payload), binary=True)
 
 
 def load(path: os.PathLike, state_template: Any) -> Checkpoint:
   """Reads a checkpoint, restoring the state into the structure of ``state_template``.
 
   Raises:
-    ValueError: if the file is not a checkpoint of this format.
+    ValueError: if the file is truncated, damaged or not a checkpoint of this
+      format; the message names the file and the way out.
   """
-  raw = serialization.msgpack_restore(pathlib.Path(path).read_bytes())
+  path = pathlib.Path(path)
+  raw, problem = None, ""
+  try:
+    raw = serialization.msgpack_restore(path.read_bytes())
+  except ValueError as err:  # msgpack's errors (e.g. "incomplete input") are ValueErrors.
+    problem = f" ({err})" if str(err) else ""
   if not isinstance(raw, dict) or raw.get("version") != FORMAT_VERSION:
-    raise ValueError(f"{path} is not a fedjax-graph checkpoint (format {FORMAT_VERSION})")
+    # Writes are atomic, so a bad file was cut short or changed by something
+    # else; the state it held is lost, and no older one is kept.
+    raise ValueError(f"{path} is truncated, damaged or not a fedjax-graph checkpoint (format "
+                     f"{FORMAT_VERSION}){problem}; the state it held is lost: delete it and "
+                     f"continue with --resume {path.parent} (its sweep starts again from round "
+                     f"1), or start the run again with --overwrite")
   state = serialization.from_state_dict(state_template, raw["state"])
   return Checkpoint(state=state, metrics=dict(raw["metrics"]), next_round=int(raw["next_round"]),
                     fingerprint=str(raw["fingerprint"]))

@@ -1,35 +1,60 @@
 """Command-line flags shared by the scripts in ``experiments/``."""
 
 import argparse
+import json
 import pathlib
 import sys
-from typing import Callable
+from typing import Any, Callable, Optional
 
-from fedjax_graph.config import Config, load_preset
+from data_prep.registry import DATASETS
+from fedjax_graph.config import FIELDS, Config, load_config, load_preset, parse_override
+from fedjax_graph.controls import RunControls
 from fedjax_graph.models import BACKBONES, NORMS
+
+RESUME_FLAGS = ("--raw-dir", "--cache-dir", "--no-progress", "--no-verify", "--nonfinite")
+"""The flags that still apply with ``--resume DIR``; the run's config.json fixes the rest."""
+SHORTCUTS = ("backbone", "norm", "participation")
+"""Config fields with a flag of their own (``--backbone X`` is ``--set backbone=X``)."""
+
+
+def _comma_list(text: str, convert: Callable[[str], Any], what: str) -> list:
+  items = [v.strip() for v in text.split(",")]
+  if "" in items:  # '0.1,,0.3' or a trailing comma: a typo, not a shorter list.
+    raise argparse.ArgumentTypeError(f"empty item in {text!r}; expected a comma list of {what}")
+  try:
+    return [convert(v) for v in items]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a comma list of {what}, got {text!r}") from None
 
 
 def float_list(text: str) -> list[float]:
-  """'0.1,0.3' -> [0.1, 0.3]; argparse reports a ValueError as a usage error."""
-  try:
-    return [float(v) for v in text.split(",") if v.strip()]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {text!r}")
+  """'0.1,0.3' -> [0.1, 0.3]; an empty item or a non-number is a usage error naming ``text``."""
+  return _comma_list(text, float, "numbers")
 
 
 def int_list(text: str) -> list[int]:
-  """'0,1,2' -> [0, 1, 2]."""
+  """'0,1,2' -> [0, 1, 2]; an empty item or a non-integer is a usage error naming ``text``."""
+  return _comma_list(text, int, "integers")
+
+
+def str_list(text: str) -> list[str]:
+  """'fedavg,fedprox' -> ['fedavg', 'fedprox']; an empty item is a usage error naming ``text``."""
+  return _comma_list(text, str, "names")
+
+
+def override(text: str) -> tuple[str, Any]:
+  """``--set key=value`` -> ``(key, value)`` (``config.parse_override``), or a usage error."""
   try:
-    return [int(v) for v in text.split(",") if v.strip()]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
+    return parse_override(text)
+  except ValueError as err:
+    raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_federation_flags(parser: argparse.ArgumentParser) -> None:
   """Dataset, preset, rounds, seeds, data locations and run controls."""
-  parser.add_argument("--dataset", choices=["twitch", "wikinet"],
+  parser.add_argument("--dataset", choices=list(DATASETS),
                       help="MUSAE dataset: twitch (6 countries) or wikinet (3 wikis); required "
-                           "unless resuming")
+                           "unless --config FILE or --resume DIR")
   parser.add_argument("--setting", default=None,
                       help="preset in configs/: s1, s2, s3 for twitch (default s1); "
                            "default for wikinet")
@@ -53,8 +78,23 @@ def add_federation_flags(parser: argparse.ArgumentParser) -> None:
                       help="replace a finished (or unfinished) run in --out")
 
 
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+  """--config FILE and --set KEY=VALUE: a user's own config, instead of or over a preset."""
+  parser.add_argument("--config", type=pathlib.Path, default=None, metavar="FILE",
+                      help="a config file anywhere, with the fields of configs/*.yaml (dataset, "
+                           "clients_per_domain and split required; setting defaults to the "
+                           "file's name), instead of --dataset/--setting")
+  parser.add_argument("--set", type=override, action="append", default=[], dest="overrides",
+                      metavar="KEY=VALUE",
+                      help="set one config field over the preset or --config FILE, repeatable; "
+                           "VALUE is YAML, e.g. --set lr=0.01 --set weight_decay=1e-4 --set "
+                           "'clients_per_domain={DE: 4, EN: 2, ES: 2, FR: 2, PT: 2, RU: 2}'; "
+                           "fields: " + ", ".join(FIELDS))
+
+
 def add_sweep_flags(parser: argparse.ArgumentParser) -> None:
-  """Backbone, non-finite policy, checkpoints and resume, for long sweeps."""
+  """Config file and overrides, backbone, non-finite policy, checkpoints and resume."""
+  add_config_flags(parser)
   parser.add_argument("--backbone", default=None, choices=sorted(BACKBONES),
                       help="model (default: the preset's, pmlp_gcn)")
   parser.add_argument("--norm", default=None, choices=list(NORMS),
@@ -74,13 +114,53 @@ def add_sweep_flags(parser: argparse.ArgumentParser) -> None:
                            "preset's, 1 = all)")
   parser.add_argument("--resume", type=pathlib.Path, default=None, metavar="DIR",
                       help="continue the interrupted run in DIR with its own config.json "
-                           "(only --raw-dir, --cache-dir, --no-progress, --no-verify and "
-                           "--nonfinite apply; other flags are ignored)")
+                           f"(only {', '.join(RESUME_FLAGS)} apply; any other flag is a usage "
+                           "error)")
 
 
-def str_list(text: str) -> list[str]:
-  """'fedavg,fedprox' -> ['fedavg', 'fedprox']."""
-  return [v.strip() for v in text.split(",") if v.strip()]
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+  """``parser.parse_args``; with ``--resume DIR``, a flag that does not apply is a usage error."""
+  args = parser.parse_args(argv)
+  if getattr(args, "resume", None) is not None:
+    extra = [flag for flag in given_flags(parser, argv)
+             if flag not in RESUME_FLAGS + ("--resume",)]
+    if extra:
+      parser.error(f"{', '.join(extra)}: not applicable to --resume, which continues the run "
+                   f"with its own config.json; only {', '.join(RESUME_FLAGS)} apply")
+  return args
+
+
+def given_flags(parser: argparse.ArgumentParser, argv=None) -> list[str]:
+  """The options ``argv`` gives (long names), even those given their default value."""
+  defaults = [(action, action.default) for action in parser._actions]
+  try:
+    # With SUPPRESS as the default, only the flags given end up in the namespace.
+    for action, _ in defaults:
+      action.default = argparse.SUPPRESS
+    given = vars(parser.parse_args(argv))
+  finally:
+    for action, default in defaults:
+      action.default = default
+  return [max(action.option_strings, key=len) for action in parser._actions
+          if action.option_strings and action.dest in given]
+
+
+def sweep_parser(description: str) -> argparse.ArgumentParser:
+  """A script's parser with the federation, sweep and output flags (grid, table, ablation)."""
+  parser = argparse.ArgumentParser(description=description,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_federation_flags(parser)
+  add_sweep_flags(parser)
+  add_output_flags(parser)
+  return parser
+
+
+def add_method_config_flag(parser: argparse.ArgumentParser, what: str) -> None:
+  """--method-config FILE: the YAML of methods' and aggregators' hyper-parameters (table, ablation)."""
+  from fedjax_graph.methods import METHODS_FILE  # the methods' import cost only here
+
+  parser.add_argument("--method-config", type=pathlib.Path, default=METHODS_FILE,
+                      help=f"YAML with {what} (default: configs/methods/defaults.yaml)")
 
 
 def add_output_flags(parser: argparse.ArgumentParser) -> None:
@@ -96,40 +176,76 @@ def last_from_args(args) -> int:
   return min(20, args.rounds) if args.last is None else args.last
 
 
-def config_from_args(parser: argparse.ArgumentParser, args) -> Config:
-  """The preset named by the flags, or a usage error naming the bad value."""
-  if args.dataset is None:
-    parser.error("--dataset is required (unless --resume DIR)")
+def config_from_args(parser: argparse.ArgumentParser, args,
+                     setting: Optional[str] = None) -> Config:
+  """The config the flags choose, or a usage error naming the bad value.
+
+  Args:
+    parser: the script's parser, for usage errors.
+    args: its flags: ``--config FILE`` or the preset ``--dataset``/``--setting``,
+      with the shortcut flags and every ``--set`` over it (``preset_overrides``).
+    setting: a preset to take instead of ``--setting`` (ablation.py's ``--settings``).
+  """
   try:
-    return load_preset(args.dataset, args.setting, **preset_overrides(args))
+    if args.config is not None:
+      if args.dataset or args.setting:
+        parser.error("give --config FILE or --dataset/--setting, not both")
+      return load_config(args.config, **preset_overrides(args))
+    if args.dataset is None:
+      parser.error("--dataset or --config FILE is required (unless --resume DIR)")
+    return load_preset(args.dataset, setting or args.setting, **preset_overrides(args))
   except ValueError as err:
     parser.error(str(err))
 
 
 def preset_overrides(args) -> dict:
-  """The preset fields the sweep flags set (None: keep the preset's)."""
-  return dict(backbone=args.backbone, norm=args.norm, participation=args.participation)
+  """The config fields the flags set: the shortcuts (``SHORTCUTS``) and each ``--set``.
+
+  Raises:
+    ValueError: a field set twice (by its shortcut and ``--set``, or by two ``--set``).
+  """
+  overrides, by = {}, {}
+  for name in SHORTCUTS:
+    if getattr(args, name, None) is not None:
+      overrides[name], by[name] = getattr(args, name), f"--{name}"
+  for key, value in getattr(args, "overrides", []):
+    if key in by:
+      raise ValueError(f"{key} is set twice ({by[key]} and --set {key}=...); give it once")
+    overrides[key], by[key] = value, "--set"
+  return overrides
 
 
 def resume_kwargs(args) -> dict:
   """The flags that still apply when a script resumes a run (``resume_*`` keyword arguments)."""
-  return dict(raw_dir=args.raw_dir, cache_dir=args.cache_dir, progress=not args.no_progress,
-              verify=not args.no_verify, nonfinite=args.nonfinite)
+  return dict(controls=RunControls(raw_dir=args.raw_dir, cache_dir=args.cache_dir,
+                                   progress=not args.no_progress, verify=not args.no_verify),
+              nonfinite=args.nonfinite)
 
 
-def run_kwargs(args, nonfinite: str) -> dict:
-  """Data locations and run controls shared by ``run_grid``, ``run_table`` and ``run_ablation``.
+def run_controls(args, nonfinite: str) -> RunControls:
+  """The run controls the flags give ``run_grid``, ``run_table`` and ``run_ablation``.
 
   ``nonfinite`` is the script's default policy when ``--nonfinite`` is not given.
+
+  Raises:
+    ValueError: for a chunk or checkpoint interval < 1.
   """
-  return dict(out_dir=args.out, raw_dir=args.raw_dir, cache_dir=args.cache_dir, chunk=args.chunk,
-              progress=not args.no_progress, nonfinite=args.nonfinite or nonfinite,
-              checkpoint_every=args.checkpoint_every, overwrite=args.overwrite,
-              verify=not args.no_verify)
+  return RunControls(out_dir=args.out, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
+                     verify=not args.no_verify, chunk=args.chunk, progress=not args.no_progress,
+                     nonfinite=args.nonfinite or nonfinite,
+                     checkpoint_every=args.checkpoint_every, overwrite=args.overwrite)
 
 
-def guarded(parser: argparse.ArgumentParser, run: Callable[[], object], interrupted: str) -> None:
-  """Runs a script's body: a bad value is a usage error, a failure or Ctrl-C one line, no traceback."""
+def guarded(parser: argparse.ArgumentParser, run: Callable[[], object],
+            args: argparse.Namespace) -> None:
+  """Runs a script's body: a bad value is a usage error, a failure or Ctrl-C one line, no traceback.
+
+  Args:
+    parser: the script's parser, for usage errors.
+    run: the script's body.
+    args: its flags; on Ctrl-C, ``args.resume`` or ``args.out`` (which ``run``
+      sets once it knows the run's folder) is the folder ``interrupted`` describes.
+  """
   from fedjax_graph.sweep import NonFiniteUpdateError  # the sweep's import cost only here
 
   try:
@@ -139,4 +255,27 @@ def guarded(parser: argparse.ArgumentParser, run: Callable[[], object], interrup
   except (OSError, NonFiniteUpdateError) as err:  # Missing files, no network, bad paths.
     sys.exit(f"error: {err}")
   except KeyboardInterrupt:
-    sys.exit(interrupted)
+    sys.exit(interrupted(args.resume or args.out))
+
+
+def interrupted(out_dir: Optional[pathlib.Path]) -> str:
+  """The line for a run stopped by Ctrl-C: what ``out_dir`` kept and how to go on from it."""
+  if out_dir is None:
+    return "interrupted before the run chose its output folder; nothing was saved"
+  out_dir = pathlib.Path(out_dir)
+  try:
+    status = json.loads((out_dir / "config.json").read_text()).get("status")
+  except (OSError, ValueError):
+    status = None
+  if status == "finished":  # Stopped before --overwrite removed anything.
+    return f"interrupted; {out_dir} still holds the finished run it held"
+  # A grid's checkpoint.msgpack; a table's finished runs/<name>.npz and checkpoint-<name>.msgpack.
+  kept = sorted(path.relative_to(out_dir).as_posix()
+                for pattern in ("checkpoint*.msgpack", "runs/*.npz")
+                for path in out_dir.glob(pattern))
+  if kept:
+    return f"interrupted; {out_dir} keeps {', '.join(kept)}: continue with --resume {out_dir}"
+  if status is not None:
+    return (f"interrupted before the first checkpoint: no round was saved; --resume {out_dir} "
+            "starts the run again from round 1 with its config.json")
+  return f"interrupted before anything was written to {out_dir}; nothing was saved"

@@ -1,61 +1,56 @@
-"""Base methods alone and "+FedIA" (FedIA paper, Tables 2-5), and the IM/CAM ablation (Table 6).
+"""Methods alone and with other aggregators (FedIA paper, Tables 2-5), and the IM/CAM ablation (Table 6).
 
-For each base method, ONE compiled program runs every seed and cell: the
-method's own aggregation and its "+FedIA" cell (or, with ``select="val"``, the
-5 x 5 (rho, beta) grid, from which the cell with the best validation AVG is
-reported: the honest protocol, which the paper does not use). Each finished
-method is saved to ``runs/<method>.npz`` at once and the running one is
-checkpointed, so an interrupted table continues where it stopped
-(``resume_table``). ``experiments/table.py`` and ``experiments/ablation.py``
-are the command lines.
+For each method, ONE compiled program runs every seed and cell: the method's
+own aggregation (its ``base`` row) and a cell per aggregator asked for
+(``+FedIA``, ``+GMA``, ``+FedHEAL``...; or, with ``select="val"``, each
+aggregator's whole grid, from which the cell with the best validation AVG is
+reported: the honest protocol, which the paper does not use). Reference rows
+(``references``) run on the same seeds. Each finished method is saved to
+``runs/<method>.npz`` at once and the running one is checkpointed, so an
+interrupted table continues where it stopped (``resume_table``).
+``experiments/table.py`` and ``experiments/ablation.py`` are the command lines.
 """
 
-import json
 import pathlib
 import time
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from fedjax_graph import aggregators as aggregators_lib
+from fedjax_graph import cells as cells_lib
 from fedjax_graph import methods as methods_lib
 from fedjax_graph import references, report, tables
 from fedjax_graph.checkpoint import fingerprint
 from fedjax_graph.config import Config
+from fedjax_graph.controls import RunControls
 from fedjax_graph.data import Federation, build_federation, load_dataset
-from fedjax_graph.experiment import (check_run_args, default_out_dir, prepare_out_dir, provenance,
-                                     remove_outputs)
-from fedjax_graph.sweep import Cells, grid_cells, make_cells, run_sweep
+from fedjax_graph.rundir import (check_run_args, default_out_dir, prepare_out_dir, provenance,
+                                 read_record, remove_outputs, resumed)
+from fedjax_graph.sweep import run_sweep
 
-GRID = (0.1, 0.3, 0.5, 0.7, 0.9)
+GRID = (0.1, 0.3, 0.5, 0.7, 0.9)  # the paper's search space of each hyper-parameter
 SELECTIONS = ("fixed", "val")
+AGGREGATORS = ("fedia", "gma", "fedheal")  # what a table may put next to a method's own rule
 RUNS = "runs"
 FINISHED = "table.md"
 
 
-def fedia_setting(defaults: Mapping, dataset: str, setting: str, method: str) -> tuple:
-  """(rho, beta) of "<method>+FedIA" from ``configs/methods/defaults.yaml``."""
-  per_setting = defaults["fedia"].get(dataset, {}).get(setting, {})
-  rho, beta = per_setting.get(method, defaults["fedia"]["default"])
-  return float(rho), float(beta)
+def aggregator_setting(defaults: Mapping, dataset: str, setting: str, method: str,
+                       aggregator: str) -> dict[str, float]:
+  """Hyper-parameters of "<method>+<aggregator>" from the method config.
 
-
-def check_methods(names: Sequence[str], config: Config, defaults: Mapping) -> None:
-  """Checks the method list and every method's hyper-parameters before anything runs.
-
-  Raises:
-    ValueError: naming an unknown, repeated or badly configured method.
+  FedIA: (rho, beta) of ``fedia.<dataset>.<setting>.<method>`` (the paper's
+  Table 7 for Twitch) or ``fedia.default``; another aggregator: its entry in
+  the config's ``aggregators`` (e.g. ``gma: {tau: 0.1}``), else its defaults.
   """
-  if not names or len(set(names)) != len(names):
-    raise ValueError(f"methods = {list(names)}; give at least one, without repeats")
-  unknown = [n for n in names if n not in methods_lib.METHODS and n not in references.REFERENCES]
-  if unknown:
-    raise ValueError(f"unknown method {unknown[0]!r}; choose from "
-                     f"{', '.join(list(methods_lib.METHODS) + list(references.REFERENCES))}")
-  model = config.model(2)
-  for name in base_methods(names):
-    methods_lib.make_method(name, model, config, defaults["hparams"].get(name, {}))
-    rho, beta = fedia_setting(defaults, config.dataset, config.setting, name)
-    make_cells([(True, rho, beta)])  # range checks
+  if aggregator == "fedia":
+    per_setting = defaults["fedia"].get(dataset, {}).get(setting, {})
+    rho, beta = per_setting.get(method, defaults["fedia"]["default"])
+    return {"rho": float(rho), "beta": float(beta)}
+  return {name: float(value) for name, value in
+          {**aggregators_lib.get(aggregator).hparams,
+           **defaults.get("aggregators", {}).get(aggregator, {})}.items()}
 
 
 def base_methods(names: Sequence[str]) -> list[str]:
@@ -63,70 +58,111 @@ def base_methods(names: Sequence[str]) -> list[str]:
   return [n for n in names if n not in references.REFERENCES]
 
 
-def _run_key(out_dir: pathlib.Path, key: str) -> pathlib.Path:
+def check_methods(names: Sequence[str], aggregators: Sequence[str], config: Config,
+                  defaults: Mapping) -> None:
+  """Checks the method and aggregator lists and every hyper-parameter before anything runs.
+
+  Raises:
+    ValueError: naming an unknown, repeated or badly configured method or aggregator.
+  """
+  if not names or len(set(names)) != len(names):
+    raise ValueError(f"methods = {list(names)}; give at least one, without repeats")
+  unknown = [n for n in names if n not in methods_lib.METHODS and n not in references.REFERENCES]
+  if unknown:
+    raise ValueError(f"unknown method {unknown[0]!r}; choose from "
+                     f"{', '.join(list(methods_lib.METHODS) + list(references.REFERENCES))}")
+  if len(set(aggregators)) != len(aggregators) or any(a not in AGGREGATORS for a in aggregators):
+    raise ValueError(f"aggregators = {list(aggregators)}; choose from {', '.join(AGGREGATORS)}, "
+                     "without repeats")
+  model = config.model(2)
+  for name in base_methods(names):
+    methods_lib.make_method(name, model, config, defaults["hparams"].get(name, {}))
+    for aggregator in aggregators:
+      cells_lib.cell(aggregator, **aggregator_setting(defaults, config.dataset, config.setting,
+                                                      name, aggregator))  # range checks
+
+
+def method_cells(method: str, aggregators: Sequence[str], settings: Mapping[str, Mapping],
+                 select: str) -> cells_lib.Cells:
+  """A method's cells: one per aggregator (``fixed``) or each aggregator's grid (``val``), then its own."""
+  display = methods_lib.DISPLAY[method]
+  out = []
+  for aggregator in aggregators:
+    row = f"{display}+{aggregators_lib.DISPLAY[aggregator]}"
+    if select == "fixed":
+      out.append(cells_lib.cell(aggregator, label=row, **settings[aggregator]))
+    else:
+      grid = cells_lib.grid(aggregator, **{n: GRID for n in aggregators_lib.get(aggregator).hparams})
+      out += [c._replace(label=f"{row} {c.label.split(' ', 1)[1]}") for c in grid.cells[:-1]]
+  return cells_lib.Cells(out + [cells_lib.cell(cells_lib.BASE, label=display)])
+
+
+def _run_path(out_dir: pathlib.Path, key: str) -> pathlib.Path:
   return out_dir / RUNS / f"{key}.npz"
 
 
 def load_run(path: pathlib.Path) -> tables.RunResult:
+  """A saved ``runs/<key>.npz`` (``save_run``)."""
   with np.load(path) as f:
-    return tables.RunResult(**{name: f[name] for name in tables.RunResult._fields})
+    arrays = {name: f[name] for name in tables.RunResult._fields if name in f.files}
+    arrays["hparams"] = {k[len("hparam_"):]: f[k] for k in f.files if k.startswith("hparam_")}
+  return tables.RunResult(**arrays)
 
 
-def run_cells(config: Config, federation: Federation, cells: Cells, key: str, method: str,
-              hparams: Mapping, rounds: int, out_dir: pathlib.Path, setup: Mapping,
-              chunk: int, progress: bool, nonfinite: str, checkpoint_every: int) -> tables.RunResult:
+def save_run(path: pathlib.Path, arrays: Mapping, cells: cells_lib.Cells,
+             federation: Federation, seconds: float) -> tables.RunResult:
+  """Saves a sweep's per-round arrays with its cells (labels, aggregators, hyper-parameters)."""
+  recorded = {name: np.asarray(arrays[name]) for name in tables.RunResult._fields
+              if name in arrays and name not in ("seconds", "labels", "hparams")}
+  # Cell values as the user gave them (0.9, not float32's 0.8999999761581421).
+  hparams = {n: np.round(v, 6) for n, v in cells.hparam_table().items()}
+  result = tables.RunResult(**recorded, labels=np.asarray(cells.labels),
+                            aggregators=np.asarray([c.aggregator for c in cells.cells]),
+                            hparams=hparams, seconds=seconds)
+  report.write_history(path, **{k: v for k, v in result._asdict().items() if k != "hparams"},
+                       **{f"hparam_{n}": v for n, v in hparams.items()},
+                       domains=np.asarray(federation.domains), seeds=np.asarray(federation.seeds))
+  return result
+
+
+def run_cells(config: Config, federation: Federation, cells: cells_lib.Cells, key: str,
+              method: str, hparams: Mapping, rounds: int, out_dir: pathlib.Path, setup: Mapping,
+              controls: RunControls) -> tables.RunResult:
   """Runs one method over ``cells`` for all seeds (or loads its finished run) and saves it.
 
   The sweep checkpoints to ``checkpoint-<key>.msgpack`` and resumes from it.
   """
-  path = _run_key(out_dir, key)
+  path = _run_path(out_dir, key)
   if path.exists():
     return load_run(path)
   checkpoint = out_dir / f"checkpoint-{key}.msgpack"
   start = time.perf_counter()
-  history = run_sweep(config, federation, cells, rounds, chunk=chunk, progress=progress,
-                      description=key, nonfinite=nonfinite, checkpoint_path=checkpoint,
-                      checkpoint_every=checkpoint_every, method=method,
-                      method_hparams=dict(hparams),
-                      fingerprint=fingerprint({**setup, "run": key}))
-  result = _save_run(path, history._asdict(), cells, federation, time.perf_counter() - start)
+  history = run_sweep(config, federation, cells, rounds, controls, method=method,
+                      method_hparams=dict(hparams), description=key,
+                      checkpoint_path=checkpoint, fingerprint=fingerprint({**setup, "run": key}))
+  result = save_run(path, history._asdict(), cells, federation, time.perf_counter() - start)
   checkpoint.unlink(missing_ok=True)
   return result
 
 
-def _save_run(path: pathlib.Path, arrays: Mapping, cells: Cells, federation: Federation,
-              seconds: float) -> tables.RunResult:
-  # Cell values as the user gave them (0.9, not float32's 0.8999999761581421).
-  as_given = lambda values: np.round(np.asarray(values, np.float64), 6)
-  recorded = {name: arrays[name] for name in tables.RunResult._fields
-              if name in arrays and name != "seconds"}
-  result = tables.RunResult(**recorded, rho=as_given(cells.rho), beta=as_given(cells.beta),
-                            fedia=np.asarray(cells.fedia), momentum=np.asarray(cells.momentum),
-                            seconds=seconds)
-  report.write_history(path, **result._asdict(), domains=np.asarray(federation.domains),
-                       seeds=np.asarray(federation.seeds))
-  return result
-
-
 def run_reference(name: str, config: Config, federation: Federation, domain_graphs,
-                  rounds: int, out_dir: pathlib.Path, setup: Mapping, chunk: int,
-                  progress: bool, nonfinite: str, checkpoint_every: int) -> tables.RunResult:
+                  rounds: int, out_dir: pathlib.Path, setup: Mapping,
+                  controls: RunControls) -> tables.RunResult:
   """A reference row's run (``references``) on the same seeds and splits, saved like a method's."""
-  base_cell = make_cells([(False, 1.0, 1.0)])
+  own = cells_lib.Cells([cells_lib.cell(cells_lib.BASE, label=references.DISPLAY[name])])
   if name == "majority":
-    path = _run_key(out_dir, name)
+    path = _run_path(out_dir, name)
     if path.exists():
       return load_run(path)
     start = time.perf_counter()
-    return _save_run(path, references.majority_history(federation, rounds), base_cell,
-                     federation, time.perf_counter() - start)
+    return save_run(path, references.majority_history(federation, rounds), own, federation,
+                    time.perf_counter() - start)
   if name == "centralized":
     federation, method = build_federation(config, domain_graphs, federation.seeds,
                                           pooled=True), "fedavg"
   else:
     method = "local"
-  return run_cells(config, federation, base_cell, name, method, {}, rounds, out_dir, setup,
-                   chunk, progress, nonfinite, checkpoint_every)
+  return run_cells(config, federation, own, name, method, {}, rounds, out_dir, setup, controls)
 
 
 def _checked(defaults: Optional[Mapping]) -> dict:
@@ -138,9 +174,9 @@ def _checked(defaults: Optional[Mapping]) -> dict:
 def _remove_previous(out_dir: pathlib.Path, keys: Sequence[str]) -> None:
   """On --overwrite: deletes this tool's files of the previous run and of the new keys, nothing else."""
   try:
-    old = json.loads((out_dir / "config.json").read_text())
+    old = read_record(out_dir, "status")
     keys = list(keys) + list(old.get("methods") or []) + list(old.get("ablation") or {})
-  except (OSError, ValueError):
+  except ValueError:
     pass
   remove_outputs(out_dir, [f"table.{ext}" for ext in ("md", "csv", "tex", "png")]
                  + ["config.json"] + [f"checkpoint-{k}.msgpack" for k in keys]
@@ -155,93 +191,110 @@ def _title(config: Config, rounds: int, seeds: Sequence[int], last: int) -> str:
           f"{list(seeds)}, mean of the last {last} rounds {spread}{participation}")
 
 
-def _record(setup: Mapping, federation: Federation, meta: Mapping, **extra) -> dict:
+def _record(setup: Mapping, federation: Federation, meta: Mapping, controls: RunControls,
+            **extra) -> dict:
   return {**setup, **extra, "status": "running", "num_clients": federation.num_clients,
+          "nonfinite": controls.nonfinite, "checkpoint_every": controls.checkpoint_every,
+          "raw_dir": controls.raw_dir and str(controls.raw_dir),
+          "cache_dir": controls.cache_dir and str(controls.cache_dir),
           "data": {"source_sha256": meta.get("source_sha256"),
                    "format_version": meta.get("format_version")}, **provenance()}
 
 
-def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int], rounds: int,
-              last: int, select: str = "fixed", out_dir: Optional[pathlib.Path] = None,
-              defaults: Optional[Mapping] = None, raw_dir=None, cache_dir=None, chunk: int = 10,
-              progress: bool = True, domain_graphs=None, nonfinite: str = "error",
-              checkpoint_every: int = 1, resume: bool = False, overwrite: bool = False,
-              verify: bool = True) -> pathlib.Path:
-  """Runs every base method alone and "+FedIA" and writes the comparison tables.
+def _prepare(config: Config, seeds, controls: RunControls, domain_graphs, kind: str):
+  """The output folder (refusing to clobber a run), the data, and its meta."""
+  out_dir = controls.out_dir or default_out_dir(config, kind)
+  prepare_out_dir(out_dir, controls.resume, controls.overwrite, finished_marker=FINISHED)
+  meta = {}
+  if domain_graphs is None:
+    domain_graphs, meta = load_dataset(config.dataset, controls.raw_dir, controls.cache_dir,
+                                       controls.verify)
+  return out_dir, domain_graphs, meta
 
-  Writes into ``out_dir``: ``table.md``, ``table.csv``, ``table.tex`` (per
-  domain mean±std over seeds of the final ``last`` rounds, AVG, the change
-  against the base method and against FedAvg), ``table.png``, ``config.json``
-  and ``runs/<method>.npz`` (every cell's history).
+
+def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int], rounds: int,
+              last: int, select: str = "fixed", aggregators: Sequence[str] = ("fedia",),
+              defaults: Optional[Mapping] = None, controls: RunControls = RunControls(),
+              domain_graphs=None) -> pathlib.Path:
+  """Runs every method alone and with each aggregator, and the references, and writes the tables.
+
+  Writes into the output folder: ``table.md``, ``table.csv``, ``table.tex``
+  (per domain mean±std over seeds of the final ``last`` rounds, AVG, the
+  paired change against the base method and against FedAvg), ``table.png``,
+  ``config.json``, ``runs/<method>.npz`` (every cell's history) and, with
+  ``select="val"``, ``heatmap-<method>.png`` (FedIA's grid).
 
   Args:
     config: the federation preset and local training recipe.
-    method_names: base methods (keys of ``methods.METHODS``), in table order.
+    method_names: methods (keys of ``methods.METHODS``) and reference rows
+      (``references.REFERENCES``), in table order.
     seeds, rounds, last: as for ``experiment.run_grid``.
-    select: ``fixed``: "+FedIA" at the (rho, beta) of ``defaults``; ``val``:
-      at the grid cell with the best validation AVG (all 25 in one sweep).
+    select: ``fixed``: each aggregator at the hyper-parameters of
+      ``defaults``; ``val``: at the grid cell with the best validation AVG
+      (each hyper-parameter over ``GRID``, all in one sweep per method).
+    aggregators: what replaces each method's own averaging in its other rows
+      (``AGGREGATORS``): ``fedia`` (the paper's "+FedIA"), ``gma``, ``fedheal``.
     defaults: ``methods.method_defaults()`` or an equivalent mapping.
-    Other arguments: as for ``experiment.run_grid``.
+    controls: data and output locations, chunks, checkpoints, policies.
+    domain_graphs: already loaded domain graphs (skips ``load_dataset``).
 
   Raises:
-    ValueError: for a bad method, hyper-parameter, selection, seed list,
-      rounds or last, or an output folder that holds a run.
+    ValueError: for a bad method, aggregator, hyper-parameter, selection, seed
+      list, rounds or last, or an output folder that holds a run.
   """
-  check_run_args(rounds, last, seeds, chunk, checkpoint_every, nonfinite)
+  check_run_args(rounds, last, seeds)
   if select not in SELECTIONS:
     raise ValueError(f"select = {select!r}; choose one of {SELECTIONS}")
   defaults = _checked(defaults)
-  check_methods(method_names, config, defaults)
-  out_dir = pathlib.Path(out_dir) if out_dir else default_out_dir(config, "table")
-  prepare_out_dir(out_dir, resume, overwrite, finished_marker=FINISHED)
-  meta = {}
-  if domain_graphs is None:
-    domain_graphs, meta = load_dataset(config.dataset, raw_dir, cache_dir, verify)
+  aggregators = list(aggregators)
+  check_methods(method_names, aggregators, config, defaults)
+  out_dir, domain_graphs, meta = _prepare(config, seeds, controls, domain_graphs, "table")
   federation = build_federation(config, domain_graphs, seeds)
-  if overwrite:
+  if controls.overwrite:
     _remove_previous(out_dir, method_names)
   out_dir.mkdir(parents=True, exist_ok=True)
 
-  hparams = {m: dict(defaults["hparams"].get(m, {})) for m in base_methods(method_names)}
-  settings = {m: fedia_setting(defaults, config.dataset, config.setting, m)
-              for m in base_methods(method_names)}
+  methods = base_methods(method_names)
+  hparams = {m: dict(defaults["hparams"].get(m, {})) for m in methods}
+  settings = {m: {a: aggregator_setting(defaults, config.dataset, config.setting, m, a)
+                  for a in aggregators} for m in methods}
   setup = {"config": config.to_dict(), "methods": list(method_names), "hparams": hparams,
-           "fedia": ({m: list(v) for m, v in settings.items()} if select == "fixed" else None),
-           "select": select, "seeds": [int(s) for s in seeds], "rounds": rounds, "chunk": chunk}
-  record = _record(setup, federation, meta, last=last, nonfinite=nonfinite,
-                   checkpoint_every=checkpoint_every, raw_dir=raw_dir and str(raw_dir),
-                   cache_dir=cache_dir and str(cache_dir))
+           "aggregators": aggregators, "settings": settings if select == "fixed" else None,
+           "select": select, "seeds": [int(s) for s in seeds], "rounds": rounds,
+           "chunk": controls.chunk}
+  record = _record(setup, federation, meta, controls, last=last)
   report.write_json(out_dir / "config.json", record)
 
   rows, seconds, chosen, chosen_val = [], {}, {}, {}
   for name in method_names:
     if name in references.REFERENCES:
       result = run_reference(name, config, federation, domain_graphs, rounds, out_dir, setup,
-                             chunk, progress, nonfinite, checkpoint_every)
-      rows.append(tables.make_row(result, 0, references.DISPLAY[name], name, "reference", last))
+                             controls)
+      rows.append(tables.make_row(result, 0, name, "reference", last))
       seconds[name] = float(result.seconds)
       continue
-    cells = (grid_cells(GRID, GRID) if select == "val"
-             else make_cells([(True, *settings[name]), (False, 1.0, 1.0)]))
+    cells = method_cells(name, aggregators, settings[name], select)
     result = run_cells(config, federation, cells, name, name, hparams[name], rounds, out_dir,
-                       setup, chunk, progress, nonfinite, checkpoint_every)
-    g = tables.select_cell(result, select, last)
-    label = methods_lib.DISPLAY[name]
-    rows += [tables.make_row(result, len(result.rho) - 1, label, name, "base", last),
-             tables.make_row(result, g, f"{label}+FedIA", name, "+FedIA", last)]
-    seconds[name], chosen[name] = float(result.seconds), [float(result.rho[g]),
-                                                          float(result.beta[g])]
-    chosen_val[name] = tables.validation_avg(result, g, last)
-    if select == "val":
+                       setup, controls)
+    display = methods_lib.DISPLAY[name]
+    rows.append(tables.make_row(result, cells.index(display), name, "base", last))
+    for aggregator in aggregators:
+      g = tables.select_cell(result, aggregator, select, last)
+      row = tables.make_row(result, g, name, f"+{aggregator}", last)
+      rows.append(row._replace(label=f"{display}+{aggregators_lib.DISPLAY[aggregator]}"))
+      chosen.setdefault(name, {})[aggregator] = row.hparam_dict
+      chosen_val.setdefault(name, {})[aggregator] = tables.validation_avg(result, g, last)
+    seconds[name] = float(result.seconds)
+    if select == "val" and "fedia" in aggregators:
       tables.plot_grid_heatmap(result, federation.domains, last, out_dir / f"heatmap-{name}.png",
-                               _title(config, rounds, seeds, last), label)
+                               _title(config, rounds, seeds, last), display,
+                               reported=tables.select_cell(result, "fedia", select, last))
   rows = tables.add_deltas(rows)
   domains = list(federation.domains)
-  title = _title(config, rounds, seeds, last) + f", (ρ, β) {select}"
+  title = _title(config, rounds, seeds, last) + f", hyper-parameters {select}"
   tables.plot_table(rows, out_dir / "table.png", title)
   report.write_json(out_dir / "config.json", {**record, "status": "finished",
-                                              "fedia_selected": chosen,
-                                              "fedia_selected_val_avg": chosen_val,
+                                              "selected": chosen, "selected_val_avg": chosen_val,
                                               "seconds_per_method": seconds})
   tables.write_tables(rows, domains, out_dir / "table", title)
   print(tables.to_markdown(rows, domains, title))
@@ -249,46 +302,37 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
   return out_dir
 
 
-def resume_table(out_dir: pathlib.Path, raw_dir=None, cache_dir=None, progress: bool = True,
-                 domain_graphs=None, verify: bool = True,
-                 nonfinite: Optional[str] = None) -> pathlib.Path:
+def resume_table(out_dir: pathlib.Path, controls: RunControls = RunControls(),
+                 domain_graphs=None, nonfinite: Optional[str] = None) -> pathlib.Path:
   """Continues the unfinished table in ``out_dir``: finished methods are loaded, the running one resumes.
 
   Raises:
     ValueError: if ``out_dir`` holds no unfinished table run.
   """
   out_dir = pathlib.Path(out_dir)
-  record = _read_record(out_dir, "methods")
-  defaults = {"hparams": record["hparams"],
-              "fedia": {"default": [0.5, 0.5],
-                        record["config"]["dataset"]: {record["config"]["setting"]:
-                                                      record["fedia"]}}}
-  return run_table(Config(**record["config"]), record["methods"], record["seeds"],
-                   record["rounds"], record["last"], record["select"], out_dir, defaults,
-                   raw_dir or record.get("raw_dir"), cache_dir or record.get("cache_dir"),
-                   record["chunk"], progress, domain_graphs, nonfinite or record["nonfinite"],
-                   record.get("checkpoint_every", 1), resume=True, verify=verify)
+  record = read_record(out_dir, "methods")
+  config = Config(**record["config"])
+  fixed = record["settings"] or {}
+  # The settings the run started with, in the method config's shape.
+  defaults = {"hparams": record["hparams"], "fedia": {
+      "default": [0.5, 0.5], config.dataset: {config.setting: {
+          m: [s["fedia"]["rho"], s["fedia"]["beta"]] for m, s in fixed.items() if "fedia" in s}}},
+      "aggregators": {}}
+  for per_method in fixed.values():
+    for aggregator, values in per_method.items():
+      if aggregator != "fedia":
+        defaults["aggregators"][aggregator] = values
+  return run_table(config, record["methods"], record["seeds"], record["rounds"], record["last"],
+                   record["select"], record["aggregators"], defaults,
+                   resumed(controls, record, out_dir, nonfinite), domain_graphs)
 
 
-def _read_record(out_dir: pathlib.Path, required: str) -> dict:
-  try:
-    record = json.loads((out_dir / "config.json").read_text())
-  except FileNotFoundError:
-    raise ValueError(f"{out_dir} holds no config.json: no run to resume")
-  if required not in record:
-    raise ValueError(f"{out_dir} holds another kind of run (its config.json has no {required!r})")
-  return record
-
-
-ABLATION = (("FedAvg", "base"), ("FedAvg+IM", "+IM"), ("FedAvg+IM+CAM", "+FedIA"))
+ABLATION = (("FedAvg", cells_lib.BASE), ("FedAvg+IM", "fedia_im"), ("FedAvg+IM+CAM", "fedia"))
 
 
 def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, last: int,
-                 out_dir: Optional[pathlib.Path] = None, defaults: Optional[Mapping] = None,
-                 raw_dir=None, cache_dir=None, chunk: int = 10, progress: bool = True,
-                 domain_graphs=None, nonfinite: str = "error", checkpoint_every: int = 1,
-                 resume: bool = False, overwrite: bool = False,
-                 verify: bool = True) -> pathlib.Path:
+                 defaults: Optional[Mapping] = None, controls: RunControls = RunControls(),
+                 domain_graphs=None) -> pathlib.Path:
   """FedAvg, FedAvg+IM and FedAvg+IM+CAM (= FedIA) per setting (FedIA paper, Table 6).
 
   One compiled sweep per setting runs the three cells for all seeds, with
@@ -301,42 +345,41 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
     configs: one preset per setting, all of one dataset (e.g. Twitch s1, s3).
     Other arguments: as for ``run_table``.
   """
-  check_run_args(rounds, last, seeds, chunk, checkpoint_every, nonfinite)
+  check_run_args(rounds, last, seeds)
   if not configs or len({c.dataset for c in configs}) != 1:
     raise ValueError("give at least one setting, all of one dataset")
   defaults = _checked(defaults)
   for config in configs:
-    check_methods(["fedavg"], config, defaults)
-  settings = {c.setting: fedia_setting(defaults, c.dataset, c.setting, "fedavg") for c in configs}
-  out_dir = pathlib.Path(out_dir) if out_dir else default_out_dir(configs[0], "ablation")
-  prepare_out_dir(out_dir, resume, overwrite, finished_marker=FINISHED)
-  meta = {}
-  if domain_graphs is None:
-    domain_graphs, meta = load_dataset(configs[0].dataset, raw_dir, cache_dir, verify)
+    check_methods(["fedavg"], ["fedia"], config, defaults)
+  settings = {c.setting: aggregator_setting(defaults, c.dataset, c.setting, "fedavg", "fedia")
+              for c in configs}
+  out_dir, domain_graphs, meta = _prepare(configs[0], seeds, controls, domain_graphs, "ablation")
   federations = {c.setting: build_federation(c, domain_graphs, seeds) for c in configs}
-  if overwrite:
+  if controls.overwrite:
     _remove_previous(out_dir, list(settings))
   out_dir.mkdir(parents=True, exist_ok=True)
   hparams = dict(defaults["hparams"].get("fedavg", {}))
   setup = {"configs": [c.to_dict() for c in configs], "ablation": settings, "hparams": hparams,
-           "seeds": [int(s) for s in seeds], "rounds": rounds, "chunk": chunk}
-  record = _record(setup, federations[configs[0].setting], meta, last=last, nonfinite=nonfinite,
-                   checkpoint_every=checkpoint_every, raw_dir=raw_dir and str(raw_dir),
-                   cache_dir=cache_dir and str(cache_dir))
+           "seeds": [int(s) for s in seeds], "rounds": rounds, "chunk": controls.chunk}
+  record = _record(setup, federations[configs[0].setting], meta, controls, last=last)
   report.write_json(out_dir / "config.json", record)
 
   markdown, csv_text, latex, all_rows = [], [], [], []
   for config in configs:
-    rho, beta = settings[config.setting]
-    cells = make_cells([(True, rho, beta, False), (True, rho, beta, True), (False, 1.0, 1.0)])
+    fedia = settings[config.setting]
+    cells = cells_lib.Cells([
+        cells_lib.cell(aggregator, label=label,
+                       **{n: fedia[n] for n in aggregators_lib.get(aggregator).hparams})
+        for label, aggregator in ABLATION])
     result = run_cells(config, federations[config.setting], cells, config.setting, "fedavg",
-                       hparams, rounds, out_dir, setup, chunk, progress, nonfinite,
-                       checkpoint_every)
-    order = (2, 0, 1)  # FedAvg, +IM, +IM+CAM
-    rows = tables.add_deltas([tables.make_row(result, g, label, "fedavg", variant, last)
-                              for g, (label, variant) in zip(order, ABLATION)])
+                       hparams, rounds, out_dir, setup, controls)
+    rows = tables.add_deltas([
+        tables.make_row(result, cells.index(label), "fedavg",
+                        "base" if aggregator == cells_lib.BASE else f"+{aggregator}", last)
+        for label, aggregator in ABLATION])
     domains = list(federations[config.setting].domains)
-    title = _title(config, rounds, seeds, last) + f", ρ={rho:g}, β={beta:g}"
+    title = (_title(config, rounds, seeds, last)
+             + f", ρ={fedia['rho']:g}, β={fedia['beta']:g}")
     markdown.append(tables.to_markdown(rows, domains, title))
     csv_text.append(tables.to_csv([r._replace(label=f"{config.setting}:{r.label}") for r in rows],
                                   domains))
@@ -353,18 +396,14 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
   return out_dir
 
 
-def resume_ablation(out_dir: pathlib.Path, raw_dir=None, cache_dir=None, progress: bool = True,
-                    domain_graphs=None, verify: bool = True,
-                    nonfinite: Optional[str] = None) -> pathlib.Path:
+def resume_ablation(out_dir: pathlib.Path, controls: RunControls = RunControls(),
+                    domain_graphs=None, nonfinite: Optional[str] = None) -> pathlib.Path:
   """Continues the unfinished ablation in ``out_dir`` with its own config.json."""
   out_dir = pathlib.Path(out_dir)
-  record = _read_record(out_dir, "ablation")
+  record = read_record(out_dir, "ablation")
   configs = [Config(**c) for c in record["configs"]]
   defaults = {"hparams": {"fedavg": record["hparams"]}, "fedia": {
-      "default": [0.5, 0.5],
-      configs[0].dataset: {s: {"fedavg": v} for s, v in record["ablation"].items()}}}
-  return run_ablation(configs, record["seeds"], record["rounds"], record["last"], out_dir,
-                      defaults, raw_dir or record.get("raw_dir"),
-                      cache_dir or record.get("cache_dir"), record["chunk"], progress,
-                      domain_graphs, nonfinite or record["nonfinite"],
-                      record.get("checkpoint_every", 1), resume=True, verify=verify)
+      "default": [0.5, 0.5], configs[0].dataset: {
+          s: {"fedavg": [v["rho"], v["beta"]]} for s, v in record["ablation"].items()}}}
+  return run_ablation(configs, record["seeds"], record["rounds"], record["last"], defaults,
+                      resumed(controls, record, out_dir, nonfinite), domain_graphs)

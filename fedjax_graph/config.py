@@ -1,24 +1,72 @@
-"""Experiment configuration: presets in ``configs/``, validated at the boundary.
+"""Experiment configuration: presets, config files and overrides, validated at the boundary.
 
-A preset names a dataset, how many clients each domain is cut into, the node
-splits and the local training recipe (FedIA paper, Appendix A.1). Every value is
-checked here, once, with a message that names the value and what is allowed,
-so the simulation itself never sees a bad configuration.
+A preset (``configs/<dataset>_<setting>.yaml``) names a dataset, how many
+clients each domain is cut into, the node splits and the local training recipe
+(FedIA paper, Appendix A.1). A config file anywhere (``load_config``) has the
+same fields, and ``key=value`` overrides (``parse_override``, the scripts'
+``--set``) replace any of them. Every value is checked once, when a ``Config``
+is made: first its type, strictly (pydantic; "no" is not False, 64.5 is not
+64, "0.1" is not 0.1, while an integer is a number), then its range, each
+failure one line naming the field and what is allowed, so the simulation
+itself never sees a bad configuration.
+
+All YAML here is read by ``load_yaml``: PyYAML follows YAML 1.1, in which
+``1e-5`` (no dot) is a string; ``load_yaml`` reads floats as YAML 1.2 does.
 """
 
 import dataclasses
 import pathlib
-from typing import Any, Mapping, Optional
+import re
+from typing import Annotated, Any, Mapping, Optional
 
+import pydantic
 import yaml
 
+from data_prep.registry import DATASETS
 from fedjax_graph import models
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
-DATASET_DOMAINS = {  # the same names as data_prep.DATASETS, kept free of its import cost
-    "twitch": ("DE", "EN", "ES", "FR", "PT", "RU"),
-    "wikinet": ("chameleon", "squirrel", "crocodile"),
-}
+
+def _config_dir() -> pathlib.Path:
+  # Installed, the presets are package data beside this module (pyproject.toml
+  # maps configs/ to fedjax_graph/configs); in the source tree they sit at its root.
+  here = pathlib.Path(__file__).resolve().parent
+  installed = here / "configs"
+  return installed if installed.is_dir() else here.parent / "configs"
+
+
+CONFIG_DIR = _config_dir()
+"""The presets ``<dataset>_<setting>.yaml`` and the method config ``methods/defaults.yaml``."""
+
+
+class YamlLoader(yaml.SafeLoader):
+  """PyYAML's safe loader, with floats as YAML 1.2 has them (``1e-5``, ``1E3``, ``.5``).
+
+  YAML 1.1 needs a dot and a signed exponent (``1.0e-5``) and reads ``1e-5``
+  as a string. Only the float rule changes; integers keep theirs, which is
+  tried first, so ``1`` stays an int.
+  """
+
+
+_FLOAT = "tag:yaml.org,2002:float"
+YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+YamlLoader.add_implicit_resolver(_FLOAT, re.compile(
+    r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+
+
+def load_yaml(stream) -> Any:
+  """Parses YAML (a string or an open file) with ``YamlLoader``: safe, YAML 1.2 floats."""
+  return yaml.load(stream, Loader=YamlLoader)  # Safe: YamlLoader is a SafeLoader.
+
+
+# Strict types: no value is coerced ("no" to False, 64.5 to 64, "1" to 1);
+# an integer is still a number.
+Integer = Annotated[int, pydantic.Strict()]
+Number = Annotated[float, pydantic.Strict()]
+Flag = Annotated[bool, pydantic.Strict()]
+Text = Annotated[str, pydantic.Strict()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,10 +74,11 @@ class Config:
   """One federation and its local training recipe.
 
   Attributes:
-    dataset: ``twitch`` or ``wikinet``.
-    setting: preset name (``s1``/``s2``/``s3`` for Twitch, ``default`` for WikiNet).
+    dataset: a dataset of ``data_prep.registry`` (``twitch``, ``wikinet``).
+    setting: preset name (``s1``/``s2``/``s3`` for Twitch, ``default`` for
+      WikiNet; a config file's own name by default).
     clients_per_domain: number of clients each domain is cut into.
-    split: (train, val, test) fractions of each client's nodes.
+    split: (train, val, test) fractions of each client's nodes (a list or tuple).
     backbone: one of ``models.BACKBONES``.
     norm: ``batch`` (default, every backbone): batch norm without scale or
       shift after each hidden layer, with the statistics of the graph being
@@ -54,29 +103,39 @@ class Config:
     participation: share of clients sampled to take part in each round, in
       (0, 1]: max(1, round(participation * C)) clients, seeded per seed and
       round (1: every client, every round).
+
+  Raises:
+    ValueError: (on construction) one line per bad value, naming the field and
+      what is allowed.
   """
-  dataset: str
-  setting: str
-  clients_per_domain: Mapping[str, int]
-  split: tuple[float, float, float]
-  backbone: str = "pmlp_gcn"
-  norm: str = "batch"
-  norm_rows: str = "train"
-  hidden: int = 128
-  num_layers: int = 3
-  dropout: float = 0.5
-  local_steps: int = 5
-  lr: float = 0.05
-  momentum: float = 0.9
-  weight_decay: float = 1e-5
-  max_buckets: int = 3
-  allow_empty_clients: bool = False
-  participation: float = 1.0
+  dataset: Text
+  setting: Text
+  clients_per_domain: Mapping[Text, Integer]
+  split: tuple[Number, ...]
+  backbone: Text = "pmlp_gcn"
+  norm: Text = "batch"
+  norm_rows: Text = "train"
+  hidden: Integer = 128
+  num_layers: Integer = 3
+  dropout: Number = 0.5
+  local_steps: Integer = 5
+  lr: Number = 0.05
+  momentum: Number = 0.9
+  weight_decay: Number = 1e-5
+  max_buckets: Integer = 3
+  allow_empty_clients: Flag = False
+  participation: Number = 1.0
 
   def __post_init__(self):
-    if self.dataset not in DATASET_DOMAINS:
-      raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {sorted(DATASET_DOMAINS)}")
-    domains = DATASET_DOMAINS[self.dataset]
+    try:
+      checked = _TYPES.model_validate(vars(self))
+    except pydantic.ValidationError as err:
+      raise ValueError("; ".join(_describe(e) for e in err.errors())) from None
+    for name, value in checked:  # The values as checked: a tuple split, float numbers.
+      object.__setattr__(self, name, value)
+    if self.dataset not in DATASETS:
+      raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {sorted(DATASETS)}")
+    domains = DATASETS[self.dataset]
     unknown = sorted(set(self.clients_per_domain) - set(domains))
     if unknown:
       raise ValueError(f"unknown {self.dataset} domain(s) {unknown}; valid: {list(domains)}")
@@ -84,12 +143,11 @@ class Config:
     if missing:
       raise ValueError(f"clients_per_domain has no count for {missing}")
     for domain, count in self.clients_per_domain.items():
-      if not isinstance(count, int) or count < 1:
+      if count < 1:
         raise ValueError(f"clients_per_domain[{domain!r}] = {count!r}; must be an integer >= 1")
-    split = tuple(float(f) for f in self.split)
+    split = self.split
     if len(split) != 3 or min(split) < 0 or abs(sum(split) - 1) > 1e-6 or split[0] == 0:
-      raise ValueError(f"split = {list(self.split)}; must be 3 fractions >= 0 summing to 1, train > 0")
-    object.__setattr__(self, "split", split)
+      raise ValueError(f"split = {list(split)}; must be 3 fractions >= 0 summing to 1, train > 0")
     object.__setattr__(self, "clients_per_domain",
                        {d: self.clients_per_domain[d] for d in domains})
     if self.backbone not in models.BACKBONES:
@@ -106,6 +164,10 @@ class Config:
     _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
     _check(self.max_buckets >= 1, "max_buckets", self.max_buckets, "an integer >= 1")
     _check(0 < self.participation <= 1, "participation", self.participation, "in (0, 1]")
+
+  def __hash__(self) -> int:
+    # The dataclass hash fails on the clients_per_domain dict; hash its items instead.
+    return hash(tuple(tuple(v.items()) if isinstance(v, dict) else v for v in vars(self).values()))
 
   @property
   def domains(self) -> tuple[str, ...]:
@@ -124,17 +186,63 @@ class Config:
     return dataclasses.asdict(self) | {"clients_per_domain": dict(self.clients_per_domain)}
 
 
+FIELDS = tuple(f.name for f in dataclasses.fields(Config))
+_REQUIRED = tuple(f.name for f in dataclasses.fields(Config) if f.default is dataclasses.MISSING)
+# The field types above as a pydantic model, which checks them all at once.
+_TYPES = pydantic.create_model("Config", **{f.name: (f.type, ...)
+                                            for f in dataclasses.fields(Config)})
+_ALLOWED = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+            "string_type": "a string", "dict_type": "a mapping", "tuple_type": "a list"}
+
+
+def _describe(error: Mapping) -> str:
+  """One pydantic error as ``field[key] = value; must be <what is allowed>``."""
+  name, *keys = error["loc"]
+  where = str(name) + "".join(f"[{k!r}]" for k in keys if k != "[key]")
+  allowed = _ALLOWED.get(error["type"], error["msg"].lower())
+  return f"{where} = {error['input']!r}; must be {allowed}"
+
+
 def _check(ok: bool, name: str, value, allowed: str) -> None:
   if not ok:
     raise ValueError(f"{name} = {value!r}; must be {allowed}")
 
 
+def _read(path: pathlib.Path) -> dict:
+  """The mapping a YAML config file holds (``load_yaml``)."""
+  with open(path) as f:
+    try:
+      raw = load_yaml(f)
+    except yaml.YAMLError as err:
+      raise ValueError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
+  if not isinstance(raw, dict):
+    raise ValueError(f"{path} must hold a mapping of config fields (field: value), "
+                     f"not {type(raw).__name__}")
+  return raw
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+  mark = getattr(err, "problem_mark", None)
+  where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+  return f"{getattr(err, 'problem', None) or err}{where}"
+
+
+def _make(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> Config:
+  raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
+  unknown = sorted(set(raw) - set(FIELDS))
+  if unknown:
+    raise ValueError(f"unknown config field(s) {unknown}; valid: {sorted(FIELDS)}")
+  missing = [name for name in _REQUIRED if name not in raw]
+  if missing:
+    raise ValueError(f"config field(s) {missing} missing; required: {list(_REQUIRED)}")
+  return Config(**raw)
+
+
 def preset_names() -> dict[str, list[str]]:
-  """The available presets, ``{dataset: [setting, ...]}``, read from ``configs/``."""
+  """The available presets, ``{dataset: [setting, ...]}``, read from ``CONFIG_DIR``."""
   names: dict[str, list[str]] = {}
   for path in sorted(CONFIG_DIR.glob("*.yaml")):
-    with open(path) as f:
-      raw = yaml.safe_load(f)
+    raw = _read(path)
     names.setdefault(raw["dataset"], []).append(raw["setting"])
   return names
 
@@ -157,11 +265,47 @@ def load_preset(dataset: str, setting: Optional[str] = None, **overrides) -> Con
   setting = setting or names[dataset][0]
   if setting not in names[dataset]:
     raise ValueError(f"unknown {dataset} setting {setting!r}; choose one of {names[dataset]}")
-  with open(CONFIG_DIR / f"{dataset}_{setting}.yaml") as f:
-    raw = yaml.safe_load(f)
-  raw.update({k: v for k, v in overrides.items() if v is not None})
-  fields = {f.name for f in dataclasses.fields(Config)}
-  unknown = sorted(set(raw) - fields)
-  if unknown:
-    raise ValueError(f"unknown config field(s) {unknown}; valid: {sorted(fields)}")
-  return Config(**raw)
+  return _make(_read(CONFIG_DIR / f"{dataset}_{setting}.yaml"), overrides)
+
+
+def load_config(path: pathlib.Path, **overrides) -> Config:
+  """Reads a config file anywhere, with the fields of a preset, and applies overrides.
+
+  Args:
+    path: a YAML mapping of ``Config`` fields; ``dataset``,
+      ``clients_per_domain`` and ``split`` are required, ``setting`` defaults
+      to the file's name without its suffix, the rest to ``Config``'s defaults.
+    **overrides: field values replacing the file's (None values are ignored).
+
+  Raises:
+    ValueError: for invalid YAML, an unknown or missing field, or an invalid value.
+    OSError: if the file cannot be read.
+  """
+  path = pathlib.Path(path)
+  return _make({"setting": path.stem, **_read(path)}, overrides)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+  """``"key=value"`` -> ``(key, value)``, the value read as YAML (``load_yaml``).
+
+  E.g. ``lr=0.01`` -> ``("lr", 0.01)``, ``weight_decay=1e-5`` -> a float,
+  ``clients_per_domain={DE: 4, EN: 2}`` -> a dict, ``split=[0.5, 0.25, 0.25]``
+  -> a list. The value's type and range are checked when the ``Config`` is made.
+
+  Raises:
+    ValueError: without ``=``, for an unknown key (listing the valid ones), or
+      an empty or unparsable value.
+  """
+  key, sep, value = text.partition("=")
+  key = key.strip()
+  if not sep:
+    raise ValueError(f"{text!r} is not key=value")
+  if key not in FIELDS:
+    raise ValueError(f"unknown config field {key!r} in {text!r}; valid: {', '.join(FIELDS)}")
+  try:
+    parsed = load_yaml(value)
+  except yaml.YAMLError as err:
+    raise ValueError(f"{text!r}: the value is not valid YAML: {_yaml_problem(err)}") from None
+  if parsed is None:  # No field takes null, and load_preset reads None as "not set".
+    raise ValueError(f"{text!r} gives {key} no value")
+  return key, parsed

@@ -93,6 +93,7 @@ def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np
       fewer nodes than clients, a client gets no training node (unless
       ``config.allow_empty_clients``), or no seed is given.
   """
+  domain_graphs = graphs.check_domain_graphs(domain_graphs, config.domains)
   seeds = tuple(int(s) for s in seeds)
   if not seeds:
     raise ValueError("at least one seed is needed")

@@ -17,14 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_graph import cells as cells_lib
 from fedjax_graph import diagnostics, dissection_report, report
 from fedjax_graph.config import load_preset
+from fedjax_graph.controls import RunControls
 from fedjax_graph.data import build_federation, load_dataset
-from fedjax_graph.experiment import (check_run_args, default_out_dir, prepare_out_dir,
-                                     provenance, remove_outputs)
 from fedjax_graph.models import BACKBONES
+from fedjax_graph.rundir import (check_run_args, default_out_dir, prepare_out_dir, provenance,
+                                 remove_outputs)
 from fedjax_graph.simulation import DiagnosticsSpec
-from fedjax_graph.sweep import make_cells, run_sweep
+from fedjax_graph.sweep import run_sweep
 
 AGGREGATORS = ("fedavg", "fedia")
 
@@ -63,7 +65,8 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
   Raises:
     ValueError: naming any bad value.
   """
-  check_run_args(rounds, 1, seeds, chunk)
+  check_run_args(rounds, 1, seeds)
+  controls = RunControls(chunk=chunk, progress=progress)
   checkpoints = sorted(set(int(c) for c in checkpoints))
   if not checkpoints or checkpoints[0] < 1 or checkpoints[-1] > rounds:
     raise ValueError(f"checkpoints = {checkpoints}; need at least one, each in [1, {rounds}]")
@@ -77,7 +80,8 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
     raise ValueError(f"aggregators = {list(aggregators)}; choose from {list(AGGREGATORS)}")
   configs = {b: load_preset(dataset, setting, backbone=b) for b in backbones}
   first = configs[backbones[0]]
-  cells = make_cells([(a == "fedia", rho, beta) for a in aggregators])
+  cells = cells_lib.Cells([cells_lib.cell("fedia", rho=rho, beta=beta) if a == "fedia"
+                           else cells_lib.cell(cells_lib.BASE) for a in aggregators])
   out_dir = pathlib.Path(out_dir) if out_dir else pathlib.Path(
       default_out_dir(first, "diagnose"))
   prepare_out_dir(out_dir, resume=False, overwrite=overwrite, finished_marker="headline.json",
@@ -95,8 +99,8 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
   for backbone, config in configs.items():
     federation = build_federation(config, domain_graphs, seeds)
     start = time.perf_counter()
-    history = run_sweep(config, federation, cells, rounds, chunk=chunk, progress=progress,
-                        description=f"{backbone}", diagnostics=spec)
+    history = run_sweep(config, federation, cells, rounds, controls, description=backbone,
+                        diagnostics=spec)
     seconds[backbone] = time.perf_counter() - start
     for g, aggregator in enumerate(aggregators):
       arrays = {k: np.asarray(v[:, g][:, index]) for k, v in history.diagnostics._asdict().items()}

@@ -9,7 +9,8 @@ References:
 """
 
 import itertools
-from typing import NamedTuple, Sequence, Union
+import warnings
+from typing import Mapping, NamedTuple, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -210,3 +211,84 @@ def size_buckets(sizes: Sequence[int], max_buckets: int, min_saving: float = 0.1
     if padded_total(bounds) < (1 - min_saving) * padded_total(best):
       best = bounds
   return [order[lo:hi] for lo, hi in zip(best, best[1:])]
+
+
+def check_domain_graphs(domain_graphs: Mapping[str, Mapping[str, np.ndarray]],
+                        domains: Sequence[str]) -> Mapping[str, Mapping[str, np.ndarray]]:
+  """Checks user-supplied domain graphs and cleans their edges (host, once).
+
+  ``gcn_weights`` and ``propagate`` take a simple undirected graph: every edge
+  in both directions, once, and no self-loop (the normalisation adds I
+  itself). ``data_prep`` builds its graphs so; graphs given to
+  ``data.build_federation`` directly are held to the same rules here:
+
+  * self-loops and duplicate edges are removed, with a ``UserWarning`` that
+    counts them (a self-loop would count twice in D^-1/2 (A+I) D^-1/2, a
+    duplicate would double its edge's weight and its nodes' degrees);
+  * a one-way edge (u -> v without v -> u) is an error: whether a directed
+    graph may be made undirected is the caller's decision (to do so, add the
+    reverse edges, ``np.concatenate([ei, ei[::-1]], axis=1)``; the duplicates
+    this makes are removed);
+  * ``x`` must be [N, F], ``y`` integer labels >= 0 [N], ``edge_index`` an
+    integer [2, E] array of node ids in [0, N).
+
+  Args:
+    domain_graphs: ``{domain: {"x": f32[N, F], "y": i32[N], "edge_index": i32[2, E]}}``.
+    domains: the domains to check; those absent are left to the caller to report.
+
+  Returns:
+    ``domain_graphs`` itself when every graph is clean, else a copy in which
+    each cleaned graph has a new ``edge_index`` (the first of each edge kept,
+    in the given order).
+
+  Raises:
+    ValueError: naming the domain, the array and what is wrong with it.
+  """
+  cleaned = {}
+  for domain in domains:
+    if domain in domain_graphs:
+      graph = domain_graphs[domain]
+      edge_index = _clean_edges(domain, graph)
+      if edge_index is not graph["edge_index"]:
+        cleaned[domain] = {**graph, "edge_index": edge_index}
+  return {**domain_graphs, **cleaned} if cleaned else domain_graphs
+
+
+def _clean_edges(domain: str, graph: Mapping[str, np.ndarray]) -> np.ndarray:
+  """``graph``'s edge_index without self-loops and duplicates (itself if it has none)."""
+  missing = [k for k in ("x", "y", "edge_index") if k not in graph]
+  if missing:
+    raise ValueError(f"graph of domain {domain!r} has no {missing}; it needs x, y and edge_index")
+  x, y, edge_index = (np.asarray(graph[k]) for k in ("x", "y", "edge_index"))
+  if x.ndim != 2:
+    raise ValueError(f"{domain}: x has shape {x.shape}; must be [N, F]")
+  n = x.shape[0]
+  if y.shape != (n,) or not np.issubdtype(y.dtype, np.integer) or (n and y.min() < 0):
+    raise ValueError(f"{domain}: y is {y.dtype}{list(y.shape)}; must be integer labels >= 0 of "
+                     f"shape [{n}] (one per row of x)")
+  if edge_index.ndim != 2 or edge_index.shape[0] != 2 or not (
+      np.issubdtype(edge_index.dtype, np.integer) or edge_index.size == 0):
+    raise ValueError(f"{domain}: edge_index is {edge_index.dtype}{list(edge_index.shape)}; "
+                     "must be integers of shape [2, E] (senders, receivers)")
+  if edge_index.size and (edge_index.min() < 0 or edge_index.max() >= n):
+    bad = edge_index[(edge_index < 0) | (edge_index >= n)][0]
+    raise ValueError(f"{domain}: edge_index holds node id {bad}; must be in [0, {n})")
+  src, dst = edge_index.astype(np.int64)
+  keys = src * n + dst
+  proper = np.flatnonzero(src != dst)
+  _, first = np.unique(keys[proper], return_index=True)
+  kept = np.sort(proper[first])
+  one_way = ~np.isin(dst[kept] * n + src[kept], keys[kept])
+  if one_way.any():
+    e = kept[np.argmax(one_way)]
+    raise ValueError(f"{domain}: {int(one_way.sum())} edge(s) of edge_index have no reverse, e.g. "
+                     f"{src[e]} -> {dst[e]}; graphs must be undirected, every edge in both "
+                     "directions (to make it so, add the reversed edges: np.concatenate("
+                     "[edge_index, edge_index[::-1]], axis=1); duplicates are then removed)")
+  loops, duplicates = len(keys) - len(proper), len(proper) - len(kept)
+  if not loops and not duplicates:
+    return edge_index
+  warnings.warn(f"{domain}: removed {loops} self-loop(s) and {duplicates} duplicate edge(s) "
+                "from edge_index (the GCN normalisation adds each node's self-loop itself)",
+                stacklevel=4)  # the caller of build_federation
+  return edge_index[:, kept]

@@ -32,7 +32,7 @@ References:
 """
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -41,10 +41,26 @@ import jax.numpy as jnp
 from fedjax_graph.graphs import Graph, propagate
 from fedjax_graph.types import Array
 
-BACKBONES = {  # name: (propagate in training, propagate at inference)
-    "mlp": (False, False),
-    "gcn": (True, True),
-    "pmlp_gcn": (False, True),
+class Backbone(NamedTuple):
+  """Where a backbone propagates, and so what a client's training step needs of its shard.
+
+  Attributes:
+    propagate_train: propagate after each linear layer in training.
+    propagate_eval: propagate after each linear layer at inference.
+    training_input: ``graph`` (the padded client graph) or ``rows`` (node
+      rows only: a backbone that does not propagate in training); room for
+      ``sampled`` neighbourhoods (GraphSAGE) next. See
+      ``simulation.make_training_input``.
+  """
+  propagate_train: bool
+  propagate_eval: bool
+  training_input: str
+
+
+BACKBONES = {
+    "mlp": Backbone(False, False, "rows"),
+    "gcn": Backbone(True, True, "graph"),
+    "pmlp_gcn": Backbone(False, True, "rows"),
 }
 NORMS = ("batch", "none")
 BATCH_NORM_EPS = 1e-5
@@ -188,7 +204,7 @@ def make_model(name: str, num_classes: int, hidden: int = 128, num_layers: int =
     raise ValueError(f"Unsupported model: {name!r}; choose one of {sorted(BACKBONES)}")
   if norm not in NORMS:
     raise ValueError(f"Unsupported norm: {norm!r}; choose one of {list(NORMS)}")
-  propagate_train, propagate_eval = BACKBONES[name]
+  propagate_train, propagate_eval, _ = BACKBONES[name]
   return NodeClassifier(num_classes=num_classes, hidden=hidden, num_layers=num_layers,
                         dropout=dropout, propagate_train=propagate_train,
                         propagate_eval=propagate_eval, norm=norm)

@@ -1,15 +1,18 @@
-"""Host-side reporting for FedAvg vs FedAvg+FedIA grid sweeps.
+"""Host-side reporting for grid sweeps: a base method against aggregator cells.
 
-Turns the per-round arrays produced by the simulator into summary rows, a CSV,
-a terminal table, a ΔAVG heatmap over the ρ×β grid, learning curves, warnings
-about runs that end at a constant prediction, and atomic ``.npz`` / JSON
-artefacts. The statistics themselves are ``fedjax_graph.analysis``'s. Works on
-numpy arrays only: this module deliberately does not import jax so it can run
-on machines without an accelerator stack (e.g. to re-plot saved histories).
+A sweep runs a base method (e.g. FedAvg) and G cells of one method (e.g.
+FedAvg+FedIA, FedAvg+GMA) that differ in named hyper-parameters (FedIA: rho,
+beta; GMA: tau; FedHEAL: tau, beta). This module turns the per-round arrays
+produced by the simulator into summary rows, a CSV, a terminal table, a ΔAVG
+heatmap over the cells' hyper-parameters, learning curves, warnings about runs
+that end at a constant prediction, and atomic ``.npz`` / JSON artefacts. The
+statistics themselves are ``fedjax_graph.analysis``'s. Works on numpy arrays
+only: this module deliberately does not import jax so it can run on machines
+without an accelerator stack (e.g. to re-plot saved histories).
 
 Shape legend used in docstrings (``fedjax_graph/types.py``):
-  G: grid cells (ρ×β combinations, row-major), S: seeds, T: rounds,
-  D: domains.
+  G: grid cells (hyper-parameter combinations, e.g. ρ×β row-major),
+  S: seeds, T: rounds, D: domains.
 
 Accuracies come in as fractions in [0, 1] and are reported in percent.
 Diverged runs carry NaN; NaN is propagated on purpose so a non-converged cell
@@ -22,8 +25,7 @@ import csv
 import json
 import math
 import os
-import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any, NamedTuple
 
 import numpy as np
@@ -34,6 +36,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from fedjax_graph import analysis
+from fedjax_graph.io import atomic_write as _atomic_write
 
 Row = dict[str, Any]
 
@@ -41,13 +44,17 @@ FEDAVG = "fedavg"
 FEDIA = "fedavg+fedia"
 AVG = "avg"
 METRICS = ("", "_bacc", "_f1")  # column infixes: accuracy, balanced accuracy, macro-F1
-HYPERPARAM_COLUMNS = ("rho", "beta")
+# Display names of the parts of a method (``aggregators.DISPLAY``, which this jax-free module cannot
+# import; a test keeps them equal) and symbols of hyper-parameters; other names show as they are.
+DISPLAY_NAMES = {"fedavg": "FedAvg", "fedia": "FedIA", "fedia_im": "FedIA-IM",
+                 "fedia_cam": "FedIA-CAM", "gma": "GMA", "fedheal": "FedHEAL"}
+SYMBOLS = {"rho": "ρ", "beta": "β", "tau": "τ"}
 SCIENTIFIC_COLUMNS = ("train_loss_slope",)  # 4 decimals would print 0.0000
 MIN_COLOR_LIMIT = 0.5  # Accuracy points; smallest |ΔAVG| colour-scale limit.
 
 
 class Runs(NamedTuple):
-  """Per-round arrays of FedAvg (leading [S]) or of all grid cells (leading [G, S]).
+  """Per-round arrays of the base method (leading [S]) or of all grid cells (leading [G, S]).
 
   Attributes:
     acc: float [(G,) S, T, D] test accuracy fractions.
@@ -70,51 +77,55 @@ class Runs(NamedTuple):
 # --------------------------------------------------------------------------
 
 
-def _check_inputs(fedavg: Runs, fedia: Runs, rho: np.ndarray,
-                  beta: np.ndarray, domains: Sequence[str]) -> None:
+def _check_inputs(base: Runs, cells: Runs, hparams: Mapping[str, np.ndarray],
+                  domains: Sequence[str]) -> None:
   """Checks that the simulator outputs agree with each other.
 
   Args:
-    fedavg: FedAvg's arrays, [S, T, D] (train_loss [S, T]).
-    fedia: the cells' arrays, [G, S, T, D] (train_loss [G, S, T]).
-    rho: float [G].
-    beta: float [G].
+    base: the base method's arrays, [S, T, D] (train_loss [S, T]).
+    cells: the cells' arrays, [G, S, T, D] (train_loss [G, S, T]).
+    hparams: name -> float [G] hyper-parameter values of the cells.
     domains: D names.
 
   Raises:
-    ValueError: On any rank/shape disagreement or unusable domain names.
+    ValueError: On any rank/shape disagreement, unusable domain names or
+      hyper-parameter names that would clash with a summary column.
   """
-  if fedavg.acc.ndim != 3:
+  if base.acc.ndim != 3:
+    raise ValueError(f"base.acc must be [S, T, D], got shape {base.acc.shape}")
+  if cells.acc.ndim != 4:
+    raise ValueError(f"cells.acc must be [G, S, T, D], got shape {cells.acc.shape}")
+  if cells.acc.shape[1:] != base.acc.shape:
     raise ValueError(
-        f"fedavg.acc must be [S, T, D], got shape {fedavg.acc.shape}")
-  if fedia.acc.ndim != 4:
-    raise ValueError(
-        f"fedia.acc must be [G, S, T, D], got shape {fedia.acc.shape}")
-  if fedia.acc.shape[1:] != fedavg.acc.shape:
-    raise ValueError(
-        f"fedia.acc shape {fedia.acc.shape} does not match fedavg.acc shape "
-        f"{fedavg.acc.shape} on [S, T, D]")
-  for runs, name in ((fedavg, "fedavg"), (fedia, "fedia")):
+        f"cells.acc shape {cells.acc.shape} does not match base.acc shape "
+        f"{base.acc.shape} on [S, T, D]")
+  for runs, name in ((base, "base"), (cells, "cells")):
     for field in Runs._fields[1:]:
       want = runs.acc.shape[:-1] if field == "train_loss" else runs.acc.shape
       if getattr(runs, field).shape != want:
         raise ValueError(f"{name}.{field} has shape {getattr(runs, field).shape}; "
                          f"expected {want} like {name}.acc")
-  num_cells = fedia.acc.shape[0]
-  if rho.shape != (num_cells,) or beta.shape != (num_cells,):
-    raise ValueError(
-        f"rho shape {rho.shape} and beta shape {beta.shape} must both be "
-        f"(G,)=({num_cells},)")
-  if len(domains) != fedavg.acc.shape[2]:
+  num_cells = cells.acc.shape[0]
+  for name, values in hparams.items():
+    if values.shape != (num_cells,):
+      raise ValueError(f"hyper-parameter {name!r} has shape {values.shape}; "
+                       f"expected (G,)=({num_cells},)")
+  if len(domains) != base.acc.shape[2]:
     raise ValueError(
         f"got {len(domains)} domain names {list(domains)} but D="
-        f"{fedavg.acc.shape[2]}")
+        f"{base.acc.shape[2]}")
   names = [str(d) for d in domains]
   # Duplicates or a domain called "avg" would silently overwrite columns.
   if len(set(names)) != len(names) or AVG in names:
     raise ValueError(
         f"domain names {names} must be unique and must not be {AVG!r}")
-  for name, arr in (("fedavg.acc", fedavg.acc), ("fedia.acc", fedia.acc)):
+  # A hyper-parameter column must neither overwrite a statistic nor end in
+  # "_mean", which marks where the statistics begin (``hparam_names``).
+  taken = set(summary_columns(domains, ()))
+  clash = [n for n in hparams if n in taken or n.endswith("_mean")]
+  if clash:
+    raise ValueError(f"hyper-parameter names {clash} clash with the summary columns")
+  for name, arr in (("base.acc", base.acc), ("cells.acc", cells.acc)):
     if arr.shape[0] == 0 or arr.shape[-1] == 0 or arr.shape[-2] == 0:
       raise ValueError(f"{name} has an empty axis: shape {arr.shape}")
 
@@ -124,19 +135,20 @@ def _check_inputs(fedavg: Runs, fedia: Runs, rho: np.ndarray,
 # --------------------------------------------------------------------------
 
 
-def summary_columns(domains: Sequence[str]) -> list[str]:
+def summary_columns(domains: Sequence[str], hparams: Sequence[str]) -> list[str]:
   """Column names of a summary row, in CSV order (see ``summarize``).
 
   Args:
     domains: D domain names.
+    hparams: the cells' hyper-parameter names, e.g. ``("rho", "beta")``.
 
   Returns:
-    ``method, rho, beta``; ``<d>_mean, <d>_std`` per domain, then ``avg_mean,
-    avg_std``; the same with ``_bacc`` and then ``_f1`` before ``_mean`` /
-    ``_std``; ``std_over, delta_avg, delta_avg_ci, delta_bacc,
+    ``method``, then ``hparams``; ``<d>_mean, <d>_std`` per domain, then
+    ``avg_mean, avg_std``; the same with ``_bacc`` and then ``_f1`` before
+    ``_mean`` / ``_std``; ``std_over, delta_avg, delta_avg_ci, delta_bacc,
     constant_domains, train_loss_slope, skipped_updates``.
   """
-  cols = ["method", "rho", "beta"]
+  cols = ["method", *hparams]
   for metric in METRICS:
     for name in [str(d) for d in domains] + [AVG]:
       cols += [f"{name}{metric}_mean", f"{name}{metric}_std"]
@@ -144,31 +156,49 @@ def summary_columns(domains: Sequence[str]) -> list[str]:
                  "constant_domains", "train_loss_slope", "skipped_updates"]
 
 
-def _summary_row(method: str, rho: Any, beta: Any, domains: Sequence[str],
-                 run: Runs, fedavg: Runs | None, last: int,
-                 skipped: int) -> Row:
+def hparam_names(row: Mapping[str, Any]) -> list[str]:
+  """The hyper-parameter columns of a summary row, in column order.
+
+  Args:
+    row: a row from ``summarize`` (or read back from its CSV).
+
+  Returns:
+    The keys between ``method`` and the first ``<d>_mean`` column; none for a
+    row that does not start with ``method``.
+  """
+  keys = list(row)
+  if not keys or keys[0] != "method":  # not a summary row (e.g. a dissection CSV)
+    return []
+  keys = keys[1:]
+  end = next((i for i, key in enumerate(keys) if key.endswith("_mean")), len(keys))
+  return keys[:end]
+
+
+def _summary_row(method: str, hparams: Mapping[str, Any], domains: Sequence[str],
+                 run: Runs, base: Runs | None, last: int, skipped: int) -> Row:
   """One summary row, keys in ``summary_columns`` order.
 
   Args:
-    method, rho, beta: the row's first three values.
+    method: the row's method.
+    hparams: name -> the row's hyper-parameter value (``""`` on the base row).
     domains: D domain names.
     run: one method's arrays, [S, T, D] (train_loss [S, T]).
-    fedavg: FedAvg's arrays to pair with; None for FedAvg's own row.
+    base: the base method's arrays to pair with; None for the base row itself.
     last: Number of final rounds, already validated.
     skipped: non-finite client updates left out, over all rounds and seeds.
   """
   names = [str(d) for d in domains] + [AVG]
-  row: Row = {"method": method, "rho": rho, "beta": beta}
+  row: Row = {"method": method, **hparams}
   for metric, values in zip(METRICS, (run.acc, run.bacc, run.f1)):
     mean, std, std_over = analysis.spread(values, last)
     for name, m, s in zip(names, mean, std):
       row[f"{name}{metric}_mean"], row[f"{name}{metric}_std"] = float(m), float(s)
   row["std_over"] = std_over
-  if fedavg is None:  # FedAvg against itself: no interval to report
+  if base is None:  # the base against itself: no interval to report
     row.update(delta_avg=0.0, delta_avg_ci="", delta_bacc=0.0)
   else:
-    acc = analysis.paired_delta(run.acc, fedavg.acc, last)
-    bacc = analysis.paired_delta(run.bacc, fedavg.bacc, last)
+    acc = analysis.paired_delta(run.acc, base.acc, last)
+    bacc = analysis.paired_delta(run.bacc, base.bacc, last)
     row.update(delta_avg=float(acc.mean[-1]), delta_avg_ci=float(acc.half_width[-1]),
                delta_bacc=float(bacc.mean[-1]))
   row["constant_domains"] = int(
@@ -183,18 +213,20 @@ def _as_runs(runs: Runs) -> Runs:
                 else np.asarray(x) for name, x in zip(Runs._fields, runs)))
 
 
-def summarize(fedavg: Runs, fedia: Runs, rho: Any, beta: Any,
+def summarize(base: Runs, cells: Runs, hparams: Mapping[str, Any],
               domains: Sequence[str], last: int,
-              skipped: Sequence[int] | None = None) -> list[Row]:
-  """Summarises the final rounds of FedAvg and every FedAvg+FedIA grid cell.
+              skipped: Sequence[int] | None = None, *,
+              cell_method: str = FEDIA, base_method: str = FEDAVG) -> list[Row]:
+  """Summarises the final rounds of the base method and every grid cell.
 
   Each seed's values are averaged over the last ``last`` rounds, per domain
   and for AVG (unweighted mean over domains); statistics are
   ``analysis.spread`` and ``analysis.paired_delta``. Columns, in order
   (percent unless said otherwise; NaN from diverged runs propagates):
 
-  * ``method``: ``fedavg`` or ``fedavg+fedia``; ``rho``, ``beta``: the cell's
-    ρ and β as Python floats (``""`` for FedAvg).
+  * ``method``: ``base_method`` or ``cell_method``; then one column per
+    hyper-parameter, in ``hparams`` order: the cell's value as a Python
+    float (``""`` on the base row).
   * ``<d>_mean``, ``<d>_std`` per domain, then ``avg_mean``, ``avg_std``:
     test accuracy, mean over seeds of the per-seed final-rounds means; std:
     population std (ddof=0) over seeds of those means when S >= 2, else
@@ -202,11 +234,11 @@ def summarize(fedavg: Runs, fedia: Runs, rho: Any, beta: Any,
   * ``<d>_bacc_mean`` ... ``avg_bacc_std``: the same for balanced accuracy;
     ``<d>_f1_mean`` ... ``avg_f1_std``: for macro-F1.
   * ``std_over``: ``seeds`` or ``rounds``, what the stds are taken over.
-  * ``delta_avg``: AVG accuracy minus FedAvg's (points), the mean over seeds
-    of the paired per-seed differences; 0 on FedAvg's row.
+  * ``delta_avg``: AVG accuracy minus the base's (points), the mean over
+    seeds of the paired per-seed differences; 0 on the base row.
   * ``delta_avg_ci``: half-width (points) of the paired 95 % t-interval of
-    ``delta_avg`` over seeds; NaN with one seed, ``""`` on FedAvg's row.
-  * ``delta_bacc``: AVG balanced accuracy minus FedAvg's (points).
+    ``delta_avg`` over seeds; NaN with one seed, ``""`` on the base row.
+  * ``delta_bacc``: AVG balanced accuracy minus the base's (points).
   * ``constant_domains``: number of (seed, domain) pairs whose model predicts
     at most one class on the domain's test nodes in every final round.
   * ``train_loss_slope``: mean over seeds of the least-squares slope of the
@@ -215,70 +247,84 @@ def summarize(fedavg: Runs, fedia: Runs, rho: Any, beta: Any,
     seeds.
 
   Args:
-    fedavg: FedAvg's arrays, [S, T, D] (train_loss [S, T]).
-    fedia: the FedAvg+FedIA cells' arrays, [G, S, T, D] (train_loss
-      [G, S, T]), seed s paired with FedAvg's seed s.
-    rho: float [G] ρ of each cell.
-    beta: float [G] β of each cell.
+    base: the base method's arrays, [S, T, D] (train_loss [S, T]).
+    cells: the cells' arrays, [G, S, T, D] (train_loss [G, S, T]), seed s
+      paired with the base's seed s.
+    hparams: name -> float [G] the cells' hyper-parameters, e.g.
+      ``{"rho": rho, "beta": beta}`` (FedIA) or ``{"tau": tau}`` (GMA);
+      may be empty.
     domains: D domain names.
     last: Number of final rounds summarised, 1 <= last <= T.
-    skipped: int [1 + G] non-finite client updates left out per method (FedAvg
-      first, then the cells), over all rounds and seeds; zeros if None.
+    skipped: int [1 + G] non-finite client updates left out per method (the
+      base first, then the cells), over all rounds and seeds; zeros if None.
+    cell_method: the cells' ``method`` value.
+    base_method: the base row's ``method`` value; must differ from
+      ``cell_method`` (rows are told apart by it).
 
   Returns:
-    1 + G rows (FedAvg first, then cells in input order), each a dict with
-    keys ``summary_columns(domains)`` in order.
+    1 + G rows (the base first, then cells in input order), each a dict with
+    keys ``summary_columns(domains, list(hparams))`` in order.
 
   Raises:
-    ValueError: If ``last`` is outside [1, T] (message names the value) or
-      the shapes disagree.
+    ValueError: If ``last`` is outside [1, T] (message names the value),
+      the shapes disagree, a hyper-parameter name clashes with a column or
+      the two methods are equal.
   """
-  fedavg, fedia = _as_runs(fedavg), _as_runs(fedia)
-  rho = np.asarray(rho, dtype=np.float64).reshape(-1)
-  beta = np.asarray(beta, dtype=np.float64).reshape(-1)
-  _check_inputs(fedavg, fedia, rho, beta, domains)
-  last = analysis.check_last(last, fedavg.acc.shape[1])
+  if cell_method == base_method:
+    raise ValueError(f"cell_method and base_method are both {base_method!r}")
+  base, cells = _as_runs(base), _as_runs(cells)
+  hparams = {str(name): np.asarray(values, np.float64).reshape(-1)
+             for name, values in hparams.items()}
+  _check_inputs(base, cells, hparams, domains)
+  last = analysis.check_last(last, base.acc.shape[1])
 
-  num_cells = fedia.acc.shape[0]
+  num_cells = cells.acc.shape[0]
   skipped = np.zeros(1 + num_cells, int) if skipped is None else np.asarray(skipped)
   if skipped.shape != (1 + num_cells,):
     raise ValueError(f"skipped has shape {skipped.shape}; expected ({1 + num_cells},)")
 
-  rows = [_summary_row(FEDAVG, "", "", domains, fedavg, None, last, skipped[0])]
+  rows = [_summary_row(base_method, dict.fromkeys(hparams, ""), domains, base, None, last,
+                       skipped[0])]
   for g in range(num_cells):
-    cell = Runs(*(x[g] for x in fedia))
-    rows.append(_summary_row(FEDIA, float(rho[g]), float(beta[g]), domains, cell,
-                             fedavg, last, skipped[1 + g]))
+    rows.append(_summary_row(cell_method, {n: float(v[g]) for n, v in hparams.items()},
+                             domains, Runs(*(x[g] for x in cells)), base, last,
+                             skipped[1 + g]))
   return rows
 
 
-def constant_warnings(fedavg: Runs, fedia: Runs, rho: Any, beta: Any,
+def constant_warnings(base: Runs, cells: Runs, labels: Sequence[str],
                       domains: Sequence[str], last: int,
-                      seeds: Sequence[int] | None = None) -> list[str]:
+                      seeds: Sequence[int] | None = None,
+                      base_label: str = "FedAvg") -> list[str]:
   """One line per (seed, run) whose prediction ends constant on some domain.
 
-  E.g. ``seed 0, FedIA rho=0.3, beta=0.5: constant prediction on EN, ES
-  through the last 20 rounds``. Such a domain's accuracy is a class share,
-  not a measure of aggregation. Only ``predicted_classes`` is read.
+  E.g. ``seed 0, FedIA ρ=0.3, β=0.5: constant prediction on EN, ES through
+  the last 20 rounds``. Such a domain's accuracy is a class share, not a
+  measure of aggregation. Only ``predicted_classes`` is read.
 
   Args:
-    fedavg, fedia, rho, beta, domains, last: as for ``summarize``.
+    base, cells, domains, last: as for ``summarize``.
+    labels: G names of the cells, e.g. ``"GMA " + format_hparams({"tau": 0.1})``.
     seeds: S seed values to name; None: the seed indices 0..S-1.
+    base_label: the base method's name.
 
   Returns:
-    The lines, seed by seed, FedAvg before the cells in input order; empty
+    The lines, seed by seed, the base before the cells in input order; empty
     when no run ends constant.
+
+  Raises:
+    ValueError: If there is not one label per cell.
   """
-  classes = [np.asarray(fedavg.predicted_classes)] + list(np.asarray(fedia.predicted_classes))
-  labels = ["FedAvg"] + [f"FedIA rho={float(r):g}, beta={float(b):g}"
-                         for r, b in zip(np.ravel(rho), np.ravel(beta))]
+  classes = [np.asarray(base.predicted_classes)] + list(np.asarray(cells.predicted_classes))
+  if len(labels) != len(classes) - 1:
+    raise ValueError(f"got {len(labels)} labels for G={len(classes) - 1} cells")
   constant = np.stack([analysis.constant_domains(c, last) for c in classes], axis=1)  # [S, 1+G, D]
   seeds = range(constant.shape[0]) if seeds is None else seeds
   names = np.asarray([str(d) for d in domains])
   return [f"seed {seed}, {label}: constant prediction on {', '.join(names[flags])} "
           f"through the last {last} rounds"
           for seed, per_run in zip(seeds, constant)
-          for label, flags in zip(labels, per_run) if flags.any()]
+          for label, flags in zip([base_label, *labels], per_run) if flags.any()]
 
 
 # --------------------------------------------------------------------------
@@ -286,55 +332,17 @@ def constant_warnings(fedavg: Runs, fedia: Runs, rho: Any, beta: Any,
 # --------------------------------------------------------------------------
 
 
-def _atomic_write(path: str | os.PathLike, write: Callable[[IO], None],
-                  binary: bool) -> None:
-  """Writes a file so readers never observe a partial one.
-
-  The content goes to a temporary file in the destination directory (same
-  filesystem, so ``os.replace`` is an atomic rename) and keeps the
-  destination's suffix so format-sniffing writers behave. On any failure the
-  temporary file is removed and an existing destination is left untouched.
-
-  Args:
-    path: Destination path; missing parent directories are created.
-    write: Callback that writes the whole content to the open file object.
-    binary: Open the temporary file in ``"wb"`` rather than text mode.
-  """
-  path = os.fspath(path)
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  base = os.path.basename(path)
-  _, suffix = os.path.splitext(base)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{base}.", suffix=suffix)
-  try:
-    mode = "wb" if binary else "w"
-    # newline="" lets the csv module control line endings itself.
-    kwargs = {} if binary else {"encoding": "utf-8", "newline": ""}
-    with os.fdopen(fd, mode, **kwargs) as f:
-      write(f)
-      f.flush()
-      os.fsync(f.fileno())
-    # mkstemp creates 0600; artefacts are meant to be shared like any output.
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-  except BaseException:
-    try:
-      os.unlink(tmp)
-    except FileNotFoundError:
-      pass
-    raise
-
-
-def _format_cell(column: str, value: Any) -> Any:
+def _format_cell(column: str, value: Any, exact: Sequence[str]) -> Any:
   """Formats one CSV value.
 
   Metrics get 4 decimals (NaN as ``nan``), the loss slope 5 significant
-  digits. ρ and β keep their shortest exact repr: 4 decimals would collapse
-  e.g. 1e-5 to 0.0000 and break round trips.
+  digits. Hyper-parameters keep their shortest exact repr: 4 decimals would
+  collapse e.g. 1e-5 to 0.0000 and break round trips.
 
   Args:
     column: Column name.
     value: Raw value.
+    exact: the columns written with their exact repr.
 
   Returns:
     The value to hand to ``csv.writer``.
@@ -343,7 +351,7 @@ def _format_cell(column: str, value: Any) -> Any:
     value = float(value)
     if math.isnan(value):
       return "nan"
-    if column in HYPERPARAM_COLUMNS:
+    if column in exact:
       return repr(value)
     if column in SCIENTIFIC_COLUMNS:
       return f"{value:.4e}"
@@ -356,7 +364,8 @@ def write_summary_csv(rows: Sequence[Mapping[str, Any]],
   """Atomically writes summary rows as CSV.
 
   Columns follow the key order of the first row. Floats are written with 4
-  decimals and NaN as ``nan`` (``rho``/``beta`` keep their exact repr).
+  decimals and NaN as ``nan``; the hyper-parameter columns (``hparam_names``)
+  keep their exact repr.
 
   Args:
     rows: Rows as returned by ``summarize``.
@@ -368,12 +377,13 @@ def write_summary_csv(rows: Sequence[Mapping[str, Any]],
   if not rows:
     raise ValueError("no rows to write")
   fields = list(rows[0].keys())
+  exact = hparam_names(rows[0])
 
   def write(f: IO) -> None:
     writer = csv.writer(f)
     writer.writerow(fields)
     for row in rows:
-      writer.writerow([_format_cell(c, row[c]) for c in fields])
+      writer.writerow([_format_cell(c, row[c], exact) for c in fields])
 
   _atomic_write(path, write, binary=False)
 
@@ -441,17 +451,23 @@ def save_figure(fig: Figure, path: str | os.PathLike) -> None:
 # --------------------------------------------------------------------------
 
 
-def _cell_rows(rows: Sequence[Row]) -> list[Row]:
-  """Returns the FedAvg+FedIA grid-cell rows, in input order."""
-  return [r for r in rows if r["method"] == FEDIA]
+def _cell_rows(rows: Sequence[Row], base_method: str) -> list[Row]:
+  """Returns the grid-cell rows (method other than ``base_method``), in input order."""
+  return [r for r in rows if r["method"] != base_method]
 
 
-def _best_cell_index(rows: Sequence[Row], key: str) -> int:
-  """Index into ``_cell_rows(rows)`` of the cell maximising ``key``.
+def _base_row(rows: Sequence[Row], base_method: str) -> Row | None:
+  """The base method's row, or None if ``rows`` have none."""
+  return next((r for r in rows if r["method"] == base_method), None)
+
+
+def _best_cell_index(rows: Sequence[Row], key: str, base_method: str) -> int:
+  """Index into ``_cell_rows(rows, base_method)`` of the cell maximising ``key``.
 
   Args:
     rows: Summary rows.
     key: Numeric column to maximise; NaN cells are ignored.
+    base_method: the base row's method.
 
   Returns:
     The index; ties go to the first cell in row order.
@@ -459,7 +475,7 @@ def _best_cell_index(rows: Sequence[Row], key: str) -> int:
   Raises:
     ValueError: If there is no grid cell with a finite ``key``.
   """
-  cells = _cell_rows(rows)
+  cells = _cell_rows(rows, base_method)
   values = np.array([float(r[key]) for r in cells], dtype=np.float64)
   if not np.isfinite(values).any():
     raise ValueError(
@@ -467,14 +483,16 @@ def _best_cell_index(rows: Sequence[Row], key: str) -> int:
   return int(np.argmax(np.where(np.isfinite(values), values, -np.inf)))
 
 
-def best_cell(rows: Sequence[Row], key: str = "avg_mean") -> Row:
-  """The FedAvg+FedIA grid cell with the highest ``key``.
+def best_cell(rows: Sequence[Row], key: str = "avg_mean", *,
+              base_method: str = FEDAVG) -> Row:
+  """The grid cell with the highest ``key``.
 
-  The FedAvg row is never returned; non-converged (NaN) cells are skipped.
+  The base row is never returned; non-converged (NaN) cells are skipped.
 
   Args:
     rows: Summary rows from ``summarize``.
     key: Numeric column to maximise.
+    base_method: the base row's method (as passed to ``summarize``).
 
   Returns:
     The winning row (the same dict object as in ``rows``).
@@ -482,7 +500,7 @@ def best_cell(rows: Sequence[Row], key: str = "avg_mean") -> Row:
   Raises:
     ValueError: If no cell has a finite ``key``.
   """
-  return _cell_rows(rows)[_best_cell_index(rows, key)]
+  return _cell_rows(rows, base_method)[_best_cell_index(rows, key, base_method)]
 
 
 def _domain_names(row: Row) -> list[str]:
@@ -496,9 +514,24 @@ def _domain_names(row: Row) -> list[str]:
   return names
 
 
+def display_name(method: str) -> str:
+  """A method as printed, e.g. ``fedavg+gma`` -> ``FedAvg+GMA`` (``DISPLAY_NAMES``)."""
+  return "+".join(DISPLAY_NAMES.get(part, part) for part in method.split("+"))
+
+
+def _symbol(name: str) -> str:
+  """A hyper-parameter's symbol (``SYMBOLS``), else its name."""
+  return SYMBOLS.get(name, name)
+
+
 def _fmt_hparam(value: Any) -> str:
-  """Short text for ρ/β; empty for the FedAvg row."""
+  """Short text for a hyper-parameter value; empty on the base row."""
   return "" if value == "" else f"{float(value):g}"
+
+
+def format_hparams(values: Mapping[str, Any]) -> str:
+  """Hyper-parameters as printed, e.g. ``{"rho": 0.3, "beta": 0.5}`` -> ``ρ=0.3, β=0.5``."""
+  return ", ".join(f"{_symbol(name)}={_fmt_hparam(v)}" for name, v in values.items())
 
 
 def _fmt_pct(value: float, spec: str = ".2f") -> str:
@@ -506,17 +539,20 @@ def _fmt_pct(value: float, spec: str = ".2f") -> str:
   return "nan" if math.isnan(value) else format(value, spec)
 
 
-def format_table(rows: Sequence[Row], max_rows: int | None = None) -> str:
+def format_table(rows: Sequence[Row], max_rows: int | None = None, *,
+                 base_method: str = FEDAVG) -> str:
   """Formats summary rows as an aligned text table for a terminal.
 
-  Columns: method, ρ, β, each domain mean, AVG mean±std, ΔAVG, all in
-  percent with 2 decimals. A footnote says what the ± std is taken over.
+  Columns: method, the hyper-parameters (by symbol, e.g. ρ, β), each domain
+  mean, AVG mean±std, ΔAVG, all in percent with 2 decimals. A footnote says
+  what the ± std is taken over.
 
   Args:
     rows: Summary rows from ``summarize``.
     max_rows: If given, show only the best ``max_rows`` grid cells ranked by
-      ``avg_mean`` (NaN last); the FedAvg row is always shown first. If
-      None, all rows are shown in input order.
+      ``avg_mean`` (NaN last); the base row is always shown first. If None,
+      all rows are shown in input order.
+    base_method: the base row's method (as passed to ``summarize``).
 
   Returns:
     The table as a multi-line string (no trailing newline).
@@ -524,21 +560,22 @@ def format_table(rows: Sequence[Row], max_rows: int | None = None) -> str:
   if not rows:
     return "(no rows)"
   domains = _domain_names(rows[0])
+  names = hparam_names(rows[0])
   shown = list(rows)
   hidden = 0
   if max_rows is not None:
-    cells = _cell_rows(rows)
+    cells = _cell_rows(rows, base_method)
     # NaN ranks after every finite value; sorted() is stable for ties.
     ranked = sorted(cells, key=lambda r: -r["avg_mean"]
                     if math.isfinite(r["avg_mean"]) else math.inf)
     keep = ranked[:max(0, max_rows)]
     hidden = len(cells) - len(keep)
-    shown = [r for r in rows if r["method"] != FEDIA] + keep
+    shown = [r for r in rows if r["method"] == base_method] + keep
 
-  header = ["method", "ρ", "β"] + domains + ["AVG", "ΔAVG"]
+  header = ["method"] + [_symbol(n) for n in names] + domains + ["AVG", "ΔAVG"]
   body = []
   for r in shown:
-    body.append([r["method"], _fmt_hparam(r["rho"]), _fmt_hparam(r["beta"])] +
+    body.append([r["method"]] + [_fmt_hparam(r[n]) for n in names] +
                 [_fmt_pct(r[f"{d}_mean"]) for d in domains] +
                 [f"{_fmt_pct(r['avg_mean'])}±{_fmt_pct(r['avg_std'])}",
                  _fmt_pct(r["delta_avg"], "+.2f")])
@@ -557,7 +594,7 @@ def format_table(rows: Sequence[Row], max_rows: int | None = None) -> str:
     lines.append(f"... {hidden} more cell(s) not shown")
   over = sorted({str(r["std_over"]) for r in shown})
   lines.append(f"accuracy in %; ± = population std (ddof=0) over "
-               f"{'/'.join(over)}; ΔAVG = AVG - FedAvg AVG (points)")
+               f"{'/'.join(over)}; ΔAVG = AVG - {display_name(base_method)} AVG (points)")
   return "\n".join(lines)
 
 
@@ -574,35 +611,51 @@ def _new_figure(width: float, height: float) -> tuple[Figure, Any]:
 
 
 class DeltaGrid(NamedTuple):
-  """The cells' ΔAVG on the ρ×β grid, as ``plot_heatmap`` draws and marks it.
+  """The cells' ΔAVG over their hyper-parameters, as ``plot_heatmap`` draws and marks it.
+
+  The rows are the cells' first hyper-parameter, the columns their second;
+  with one hyper-parameter there is one row (R = 1) and it is the columns'.
 
   Attributes:
-    rhos: float [R] sorted unique ρ.
-    betas: float [B] sorted unique β.
+    row_values: float [R] sorted unique values of the first hyper-parameter
+      ([0] with one hyper-parameter).
+    col_values: float [B] sorted unique values of the columns' one.
     delta: float [R, B] ΔAVG (points); NaN where non-converged or missing.
-    present: bool [R, B] whether a row exists for that (ρ, β).
+    present: bool [R, B] whether a row exists for that combination.
     significant: bool [R, B] the paired 95 % interval of ΔAVG excludes 0
       (marked ``*``); never with one seed.
     constant: bool [R, B] some (seed, domain) of the cell ends at a
       constant prediction (marked ``c``).
+    row_name: the rows' hyper-parameter, e.g. ``rho``; None with one.
+    col_name: the columns' hyper-parameter, e.g. ``beta`` or ``tau``.
   """
-  rhos: np.ndarray
-  betas: np.ndarray
+  row_values: np.ndarray
+  col_values: np.ndarray
   delta: np.ndarray
   present: np.ndarray
   significant: np.ndarray
   constant: np.ndarray
+  row_name: str | None
+  col_name: str
 
 
-def _delta_grid(cells: Sequence[Row]) -> DeltaGrid:
-  """Lays the grid-cell rows out on the ρ×β grid (see ``DeltaGrid``)."""
-  rhos = np.unique([float(r["rho"]) for r in cells])
-  betas = np.unique([float(r["beta"]) for r in cells])
-  grid = DeltaGrid(rhos, betas, np.full((rhos.size, betas.size), np.nan),
-                   *np.zeros((3, rhos.size, betas.size), dtype=bool))
+def _grid_index(grid: DeltaGrid, row: Row) -> tuple[int, int]:
+  """(row, column) of a cell's row on the grid."""
+  i = int(np.searchsorted(grid.row_values, float(row[grid.row_name]))) if grid.row_name else 0
+  return i, int(np.searchsorted(grid.col_values, float(row[grid.col_name])))
+
+
+def _delta_grid(cells: Sequence[Row], names: Sequence[str]) -> DeltaGrid:
+  """Lays the grid-cell rows out over their one or two hyper-parameters (see ``DeltaGrid``)."""
+  row_name, col_name = (None, *names) if len(names) == 1 else names
+  values = lambda name: np.unique([float(r[name]) for r in cells])
+  row_values = values(row_name) if row_name else np.zeros(0)
+  col_values = values(col_name)
+  shape = (max(row_values.size, 1), col_values.size)
+  grid = DeltaGrid(row_values, col_values, np.full(shape, np.nan),
+                   *np.zeros((3, *shape), dtype=bool), row_name, col_name)
   for r in cells:
-    i = int(np.searchsorted(rhos, float(r["rho"])))
-    j = int(np.searchsorted(betas, float(r["beta"])))
+    i, j = _grid_index(grid, r)
     grid.delta[i, j] = float(r["delta_avg"])
     grid.present[i, j] = True
     # A NaN half-width (one seed) compares False: no mark.
@@ -611,42 +664,56 @@ def _delta_grid(cells: Sequence[Row]) -> DeltaGrid:
   return grid
 
 
-def _constant_note(row: Row) -> str:
-  count = row["constant_domains"]
+def _constant_note(row: Row | None) -> str:
+  count = row["constant_domains"] if row is not None else 0
   return f"constant on {count} (seed, domain) pair(s)" if count else ""
 
 
 def plot_heatmap(rows: Sequence[Row], path: str | os.PathLike,
-                 title: str = "", base_label: str = "FedAvg") -> DeltaGrid:
-  """Atomically plots ΔAVG (FedAvg+FedIA minus FedAvg) over the ρ×β grid.
+                 title: str = "", base_label: str = "FedAvg", *,
+                 base_method: str = FEDAVG, boxed: Row | None = None,
+                 boxed_by: str = "best test AVG, optimistic") -> DeltaGrid:
+  """Atomically plots ΔAVG (each cell minus the base) over the cells' hyper-parameters.
 
-  ρ runs down the rows, β across the columns. The colormap is diverging and
-  symmetric around 0 so gains and losses read alike. Non-converged (NaN)
-  cells are grey and marked "NC"; (ρ, β) pairs absent from a partial grid
-  are left white and marked "n/a". The best cell by ``avg_mean`` is boxed.
-  A ``*`` follows a ΔAVG whose paired 95 % interval over seeds excludes 0
-  (none with one seed, which the title says); a ``c`` marks a cell that ends
-  at a constant prediction on some (seed, domain), whose ΔAVG is partly a
-  class share.
+  The first hyper-parameter runs down the rows, the second across the
+  columns (ρ×β for FedIA); with one (e.g. GMA's τ) the cells form one row.
+  The colormap is diverging and symmetric around 0 so gains and losses read
+  alike. Non-converged (NaN) cells are grey and marked "NC"; combinations
+  absent from a partial grid are left white and marked "n/a". The best cell
+  by ``avg_mean`` (or ``boxed``) is boxed. A ``*`` follows a ΔAVG whose paired 95 %
+  interval over seeds excludes 0 (none with one seed, which the title
+  says); a ``c`` marks a cell that ends at a constant prediction on some
+  (seed, domain), whose ΔAVG is partly a class share.
 
   Args:
-    rows: Summary rows from ``summarize`` (at least one grid cell).
+    rows: Summary rows from ``summarize`` (at least one grid cell, all of
+      one method).
     path: Destination image path, e.g. ``*.png``.
     title: Dataset/setting shown in the title.
-    base_label: what the cells are compared with (the FedAvg row), e.g.
+    base_label: what the cells are compared with (the base row), e.g.
       ``FedProx`` for a table.py sweep of FedProx+FedIA.
+    base_method: the base row's method (as passed to ``summarize``).
+    boxed: the cell row to box instead of the best test one, e.g. the one a
+      table reports (chosen on validation); ``boxed_by`` says why, in the title.
 
   Returns:
     The grid as drawn, marks included.
 
   Raises:
-    ValueError: If ``rows`` has no grid cell.
+    ValueError: If ``rows`` has no grid cell, cells of several methods, or
+      cells with no or more than two hyper-parameters.
   """
-  cells = _cell_rows(rows)
+  cells = _cell_rows(rows, base_method)
   if not cells:
-    raise ValueError("rows contain no FedAvg+FedIA grid cell to plot")
-  grid = _delta_grid(cells)
-  rhos, betas, delta, present = grid.rhos, grid.betas, grid.delta, grid.present
+    raise ValueError(f"rows contain no grid cell (a method other than {base_method!r}) to plot")
+  methods = sorted({r["method"] for r in cells})
+  if len(methods) != 1:
+    raise ValueError(f"a heatmap shows the cells of one method; got {methods}")
+  names = hparam_names(cells[0])
+  if len(names) not in (1, 2):
+    raise ValueError(f"a heatmap needs cells with one or two hyper-parameters; got {names}")
+  grid = _delta_grid(cells, names)
+  delta, present = grid.delta, grid.present
   finite = np.isfinite(delta)
   lim = float(np.abs(delta[finite]).max()) if finite.any() else 0.0
   # The floor keeps noise-level deltas (and all-zero grids, which would give
@@ -655,50 +722,52 @@ def plot_heatmap(rows: Sequence[Row], path: str | os.PathLike,
   cmap = colormaps["RdBu"].with_extremes(bad="lightgrey")
   norm = Normalize(vmin=-lim, vmax=lim)
 
-  fig, ax = _new_figure(max(4.5, 1.1 * betas.size + 3.0),
-                        max(3.5, 0.8 * rhos.size + 2.2))
+  fig, ax = _new_figure(max(4.5, 1.1 * delta.shape[1] + 3.0),
+                        max(3.5, 0.8 * delta.shape[0] + 2.2))
   image = ax.imshow(np.ma.masked_invalid(delta), cmap=cmap, norm=norm,
                     aspect="auto", origin="lower")
-  for i in range(rhos.size):
-    for j in range(betas.size):
-      if not present[i, j]:
-        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="white",
-                               edgecolor="none"))
-        text, color = "n/a", "grey"
-      elif not finite[i, j]:
-        text, color = "NC", "black"
-      else:
-        text = (f"{delta[i, j]:+.2f}" + ("*" if grid.significant[i, j] else "")
-                + (" c" if grid.constant[i, j] else ""))
-        # White text only where the fill is dark enough to need it.
-        color = "white" if abs(delta[i, j]) > 0.6 * lim else "black"
-      ax.text(j, i, text, ha="center", va="center", color=color, fontsize=9)
+  for i, j in np.ndindex(delta.shape):
+    if not present[i, j]:
+      ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="white",
+                             edgecolor="none"))
+      text, color = "n/a", "grey"
+    elif not finite[i, j]:
+      text, color = "NC", "black"
+    else:
+      text = (f"{delta[i, j]:+.2f}" + ("*" if grid.significant[i, j] else "")
+              + (" c" if grid.constant[i, j] else ""))
+      # White text only where the fill is dark enough to need it.
+      color = "white" if abs(delta[i, j]) > 0.6 * lim else "black"
+    ax.text(j, i, text, ha="center", va="center", color=color, fontsize=9)
 
   best_note = "no converged cell"
   if any(np.isfinite(float(r["avg_mean"])) for r in cells):
-    best = best_cell(rows)
-    i = int(np.searchsorted(rhos, float(best["rho"])))
-    j = int(np.searchsorted(betas, float(best["beta"])))
+    best = boxed or best_cell(rows, base_method=base_method)
+    i, j = _grid_index(grid, best)
     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False,
                            edgecolor="black", linewidth=2.5))
-    best_note = (f"best (boxed): ρ={_fmt_hparam(best['rho'])}, "
-                 f"β={_fmt_hparam(best['beta'])}, "
+    best_note = (f"boxed ({boxed_by}): {format_hparams({n: best[n] for n in names})}, "
                  f"ΔAVG={best['delta_avg']:+.2f}")
   one_seed = all(r["std_over"] == "rounds" for r in rows)
   notes = ["1 seed: no interval, no * marks" if one_seed
            else "* paired 95 % interval over seeds excludes 0"]
   if grid.constant.any():
     notes.append("c: constant prediction on some (seed, domain)")
-  base = [r for r in rows if r["method"] == FEDAVG]
-  if base and _constant_note(base[0]):
-    notes.append(f"{base_label} {_constant_note(base[0])}")
+  base_note = _constant_note(_base_row(rows, base_method))
+  if base_note:
+    notes.append(f"{base_label} {base_note}")
 
-  ax.set_xticks(range(betas.size), [f"{b:g}" for b in betas])
-  ax.set_yticks(range(rhos.size), [f"{r:g}" for r in rhos])
-  ax.set_xlabel("β")
-  ax.set_ylabel("ρ")
+  ax.set_xticks(range(grid.col_values.size), [f"{v:g}" for v in grid.col_values])
+  ax.set_xlabel(_symbol(grid.col_name))
+  if grid.row_name:
+    ax.set_yticks(range(grid.row_values.size), [f"{v:g}" for v in grid.row_values])
+    ax.set_ylabel(_symbol(grid.row_name))
+  else:
+    ax.set_yticks([])
   head = f"{title}: " if title else ""
-  ax.set_title(f"{head}{base_label}+FedIA ΔAVG over ρ×β\n{best_note}\n"
+  cell_label = display_name(methods[0].split("+")[-1])
+  ax.set_title(f"{head}{base_label}+{cell_label} ΔAVG over "
+               f"{'×'.join(_symbol(n) for n in names)}\n{best_note}\n"
                + "; ".join(notes), fontsize=10)
   fig.colorbar(image, ax=ax, label=f"ΔAVG vs {base_label} (accuracy points, %)")
   save_figure(fig, path)
@@ -720,48 +789,48 @@ def _avg_curve(acc: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
   return avg.mean(axis=0), std
 
 
-def plot_curves(fedavg_acc: np.ndarray, fedia_acc: np.ndarray,
+def plot_curves(base_acc: np.ndarray, cells_acc: np.ndarray,
                 rows: Sequence[Row], path: str | os.PathLike, title: str,
-                *, last: int | None = None) -> list[str]:
-  """Atomically plots AVG accuracy per round: FedAvg vs the best grid cell.
+                *, last: int | None = None, base_method: str = FEDAVG) -> list[str]:
+  """Atomically plots AVG accuracy per round: the base method vs the best grid cell.
 
   The best cell is chosen by ``avg_mean`` in ``rows``. Lines are means over
-  seeds; with S >= 2 a band shows ±1 population std across seeds. A run
-  that ends at a constant prediction on some (seed, domain) says so in its
-  legend entry (``constant_domains`` of its row).
+  seeds; with S >= 2 a band shows ±1 population std across seeds. Each line
+  is labelled with its method's ``display_name``, the best cell's with its
+  hyper-parameters too (e.g. ``FedAvg+GMA (τ=0.1)``). A run that ends at a
+  constant prediction on some (seed, domain) says so in its legend entry
+  (``constant_domains`` of its row).
 
   Args:
-    fedavg_acc: float [S, T, D] FedAvg accuracy fractions.
-    fedia_acc: float [G, S, T, D] FedAvg+FedIA accuracy fractions, cells in
-      the same order as the grid-cell rows of ``rows``.
+    base_acc: float [S, T, D] the base method's accuracy fractions.
+    cells_acc: float [G, S, T, D] the cells' accuracy fractions, in the same
+      order as the grid-cell rows of ``rows``.
     rows: Summary rows from ``summarize`` on these arrays.
     path: Destination image path, e.g. ``*.png``.
     title: Dataset/setting shown as the title.
     last: Number of final rounds that ``summarize`` used; when given, that
       span is shaded. (Rows do not record it, hence the argument.)
+    base_method: the base row's method (as passed to ``summarize``).
 
   Returns:
-    The legend labels of the FedAvg and best-cell lines.
+    The legend labels of the base and best-cell lines.
 
   Raises:
     ValueError: On shape mismatch, ``last`` out of range, or no converged
       cell to plot.
   """
-  fedavg_acc = np.asarray(fedavg_acc, dtype=np.float64)
-  fedia_acc = np.asarray(fedia_acc, dtype=np.float64)
-  if fedavg_acc.ndim != 3 or fedia_acc.ndim != 4 or \
-      fedia_acc.shape[1:] != fedavg_acc.shape:
-    raise ValueError(f"expected fedavg_acc [S, T, D] and fedia_acc "
-                     f"[G, S, T, D], got {fedavg_acc.shape} and "
-                     f"{fedia_acc.shape}")
-  cells = _cell_rows(rows)
-  if len(cells) != fedia_acc.shape[0]:
-    raise ValueError(f"rows have {len(cells)} grid cells but fedia_acc has "
-                     f"G={fedia_acc.shape[0]}")
-  num_rounds = fedavg_acc.shape[1]
-  g = _best_cell_index(rows, "avg_mean")
+  base_acc = np.asarray(base_acc, dtype=np.float64)
+  cells_acc = np.asarray(cells_acc, dtype=np.float64)
+  if base_acc.ndim != 3 or cells_acc.ndim != 4 or cells_acc.shape[1:] != base_acc.shape:
+    raise ValueError(f"expected base_acc [S, T, D] and cells_acc [G, S, T, D], got "
+                     f"{base_acc.shape} and {cells_acc.shape}")
+  cells = _cell_rows(rows, base_method)
+  if len(cells) != cells_acc.shape[0]:
+    raise ValueError(f"rows have {len(cells)} grid cells but cells_acc has "
+                     f"G={cells_acc.shape[0]}")
+  num_rounds = base_acc.shape[1]
+  g = _best_cell_index(rows, "avg_mean", base_method)
   best = cells[g]
-  base = [r for r in rows if r["method"] == FEDAVG]
   rounds = np.arange(1, num_rounds + 1)
 
   fig, ax = _new_figure(7.0, 4.2)
@@ -769,20 +838,20 @@ def plot_curves(fedavg_acc: np.ndarray, fedia_acc: np.ndarray,
     last = analysis.check_last(last, num_rounds)
     ax.axvspan(num_rounds - last + 0.5, num_rounds + 0.5, color="grey",
                alpha=0.15, label=f"last {last} rounds (summarised)")
-  label_best = (f"FedAvg+FedIA (ρ={_fmt_hparam(best['rho'])}, "
-                f"β={_fmt_hparam(best['beta'])})")
+  hparams = format_hparams({n: best[n] for n in hparam_names(best)})
+  label_best = display_name(best["method"]) + (f" ({hparams})" if hparams else "")
   labels = []
   for acc, label, row, color in (
-      (fedavg_acc, "FedAvg", base[0] if base else None, "tab:blue"),
-      (fedia_acc[g], label_best, best, "tab:orange")):
-    note = _constant_note(row) if row is not None else ""
+      (base_acc, display_name(base_method), _base_row(rows, base_method), "tab:blue"),
+      (cells_acc[g], label_best, best, "tab:orange")):
+    note = _constant_note(row)
     labels.append(f"{label}: {note}" if note else label)
     mean, std = _avg_curve(acc)
     ax.plot(rounds, mean, color=color, linewidth=1.6, label=labels[-1])
     if std is not None:
       ax.fill_between(rounds, mean - std, mean + std, color=color, alpha=0.2,
                       linewidth=0)
-  num_seeds = fedavg_acc.shape[0]
+  num_seeds = base_acc.shape[0]
   spread = f"mean ± 1 std over {num_seeds} seeds" if num_seeds >= 2 \
       else "single seed"
   ax.set_xlabel("Communication round")

@@ -1,22 +1,24 @@
 """One federated round, chunks of rounds, and evaluation, batched over runs.
 
-A *run* is one (seed, grid cell) pair. The whole batch of runs advances
-together: training and aggregation are ``vmap``-ped over cells and seeds (and,
-inside, over the clients of each size bucket), evaluation is ``vmap``-ped too
-and its propagations over the shared evaluation graph fuse into one sparse
-product for all runs (``graphs.propagate`` on a ``CSRGraph``). A chunk of
-rounds is one ``lax.scan``; Python only loops over chunks.
+A *run* is one (seed, cell) pair (``cells``). The whole batch of runs advances
+together: the cells of each aggregator group are ``vmap``-ped with the seeds,
+and inside a run the clients of each size bucket (``for_each_client``);
+evaluation is ``vmap``-ped too and its propagations over the shared
+evaluation graph fuse into one sparse product for all runs of a group
+(``graphs.propagate`` on a ``CSRGraph``). A chunk of rounds is one
+``lax.scan``; Python only loops over chunks.
 
-One round (FedIA paper, Algorithm 1; a base method from ``methods``):
+One round (FedIA paper, Algorithm 1; a method from ``methods``, an aggregator
+from ``aggregators``):
   1. a seeded sample of clients takes part (all with participation 1); every
-     client k starts from the global model W and runs its local steps with
-     the method's loss term, returning u_k = -(W_k - W)/eta;
-  2. the server aggregates the participants' updates: the method's own mean
-     (uniform or train-count weights), IM-masked (FedAvg+IM) or FedIA
-     (eqs. 5-8), chosen per cell by traced values so all live in one
-     compiled program;
+     client k starts from the global model W (or its own, for a personal
+     method) and runs its local steps with the method's loss term, returning
+     u_k = -(W_k - W)/eta, its new state and its upload;
+  2. the cell's aggregator combines the participants' updates (the method's
+     own mean, FedIA, GMA, FedHEAL, ...) with the method's base weights;
   3. the method's server step moves W (FedAvg: W <- W - eta * u, eq. 8) and
-     its state; participants update their per-client state;
+     its state with the aggregate and the uploads; participants keep their
+     new per-client state;
   4. the new global model is evaluated on every domain's full graph.
 """
 
@@ -29,35 +31,14 @@ import numpy as np
 
 from fedjax_graph import aggregators
 from fedjax_graph import methods as methods_lib
-from fedjax_graph.client import make_local_update
+from fedjax_graph import models
+from fedjax_graph.cells import CellBatch
+from fedjax_graph.client import ClientOutput, make_local_update
 from fedjax_graph.config import Config
 from fedjax_graph.data import Federation
 from fedjax_graph.graphs import CSRGraph
 from fedjax_graph.models import NodeClassifier, predict
 from fedjax_graph.types import Array, PyTree, Shard
-
-
-class Cells(NamedTuple):
-  """The aggregation settings of a batch of G' cells (traced, so one compile serves all).
-
-  A cell aggregates the participants' updates masked by Importance Masking at
-  ratio ``rho`` (rho = 1: no mask), weighted by CAM's alpha (``momentum``) or
-  by the base method's own weights. The base method: fedia False, momentum
-  False, rho 1; FedIA: both True; IM only (an ablation): fedia True,
-  momentum False. Cells are paired: within a seed they share every random
-  number (initial model, dropout, client sample) and differ only in these
-  settings.
-
-  Attributes:
-    rho: f32[G'] mask ratio in (0, 1] (1 where ``fedia`` is False).
-    beta: f32[G'] CAM momentum in [0, 1] (ignored where ``momentum`` is False).
-    fedia: bool[G'] True: the cell uses FedIA's mask.
-    momentum: bool[G'] True: CAM weights; False: the method's own weights.
-  """
-  rho: Array
-  beta: Array
-  fedia: Array
-  momentum: Array
 
 
 # The client sample's key: fold_in(seed key, SAMPLING_STREAM), apart from the
@@ -78,19 +59,20 @@ def sample_clients(key: Array, round_index, num_clients: int, fraction: float) -
   return jnp.zeros((num_clients,), bool).at[order[:count]].set(True)
 
 
+
 class SimState(NamedTuple):
-  """State of one run between rounds (leaves gain [S, G'] axes in a sweep).
+  """State of one run between rounds (leaves gain [S, G_g] axes in a sweep, per group).
 
   Attributes:
     params: the global model W.
-    aggregator: FedIA's state (alpha f32[C]); unused by cells without CAM.
-    method: the base method's ``MethodState`` (per-client leaves [C, ...]).
+    aggregator: the cell's aggregator state (e.g. FedIA's alpha f32[C]).
+    method: the method's ``MethodState`` (per-client leaves [C, ...]).
     key: the seed's dropout key (the same in every cell: runs are paired);
       round t uses fold_in(key, t).
     sample_key: the seed's client-sampling key (the same in every cell).
   """
   params: PyTree
-  aggregator: aggregators.FedIAState
+  aggregator: PyTree
   method: methods_lib.MethodState
   key: Array
   sample_key: Array
@@ -107,11 +89,13 @@ class RoundMetrics(NamedTuple):
     test_f1: f32[D] macro-F1 on each domain's test nodes (mean over the
       classes that are true or predicted there, as scikit-learn's).
     train_loss: f32[] mean over clients of the last local step's loss.
-    alpha: f32[C] the aggregation weights applied this round (FedIA's alpha, or
-      FedAvg's train-count weights); 0 for clients left out.
-    mask_coverage: f32[] share of coordinates FedIA kept (1 for FedAvg).
-    nonfinite: bool[C] clients whose update held a NaN or Inf; they were left
-      out of the aggregation (see ``make_simulation``).
+    alpha: f32[C] the client weights the aggregator applied this round
+      (``diagnostics.weights``: FedIA's alpha, FedAvg's base weights, ...);
+      0 for clients left out.
+    mask_coverage: f32[] share of coordinates aggregated (1 for FedAvg).
+    nonfinite: bool[C] clients left out of the aggregation because their
+      update held a NaN or Inf, or a statistic of it was not finite (the
+      aggregator's ``excluded``); see ``make_simulation``.
     predicted_classes: i32[D] how many distinct classes the global model
       predicts on each domain's test nodes (1: a constant prediction).
     diagnostics: ``diagnostics.RoundDiagnostics`` of the round's client updates
@@ -162,31 +146,39 @@ def sim_data(federation: Federation) -> SimData:
                                 f.eval_owner))
 
 
+
 class Simulation(NamedTuple):
   """The pieces of a sweep; ``init`` and ``run_chunk`` are the compiled program.
+
+  The state of a batch is a tuple with one ``SimState`` per aggregator group
+  of the ``CellBatch`` (leaves [S, G_g, ...]); metrics come with the groups'
+  cells concatenated, [S, G', ...] in group order (``Cells.order``).
 
   Attributes:
     model: the backbone.
     local_update: one client's local training (``client.make_local_update``).
-    aggregate: ``aggregate(state, cell, updates, losses, train_counts,
-      sampled=None)`` -> ``(state, (loss, alpha, mask_coverage, nonfinite))``:
+    training_input: ``training_input(shard, train_rows)`` -> what a client's
+      steps see of its shard (``make_training_input``).
+    aggregate: ``aggregate(state, aggregator, hparams, outputs, train_counts,
+      sampled=None)`` -> ``(state, (loss, weights, mask_coverage, nonfinite))``:
       the server part of a round for one run (aggregation, the method's
-      server step and per-client state), not jitted. Clients not
-      ``sampled``, with a non-finite update or no training node are left out.
-    method: the base method.
+      server step and per-client state), not jitted. Clients not ``sampled``,
+      with a non-finite update or no training node are left out.
+    method: the method.
     evaluate: ``evaluate(params, val_mask, test_mask, owner, data)`` -> (test
       ``Scores``, validation accuracy f32[D]) for one run, not jitted; for a
       ``personal`` method ``params`` are the clients' models, leaves [C, ...],
       and node n is predicted by client ``owner[n]``'s.
-    init: ``init(seeds i32[S], cells: Cells) -> SimState`` with leaves [S, G', ...].
-    run_chunk: jitted ``run_chunk(state, first_round, cells, data, num_rounds)``
+    init: ``init(seeds i32[S], batch: CellBatch) -> tuple of SimState``.
+    run_chunk: jitted ``run_chunk(state, first_round, batch, data, num_rounds)``
       -> ``(state, RoundMetrics with leaves [S, G', num_rounds, ...])``;
-      ``num_rounds`` is static.
+      ``num_rounds`` is static, and so is the batch's layout (its groups).
     trace_count: a one-element list counting how often ``run_chunk`` was traced
       (a test guard against recompiling per chunk).
   """
   model: NodeClassifier
   local_update: Callable
+  training_input: Callable
   aggregate: Callable
   method: methods_lib.Method
   evaluate: Callable
@@ -195,82 +187,89 @@ class Simulation(NamedTuple):
   trace_count: list
 
 
-def client_updates(local_update, federation: Federation, propagates_in_training: bool,
-                   params: PyTree, shards: tuple[Shard, ...], keys: Array,
-                   client_state: PyTree = (), server_state: PyTree = (),
-                   per_client_params: bool = False, rows_only: bool = True):
-  """All clients' updates, one vmap per size bucket, rows in client order.
+def make_training_input(config: Config, num_domains: int) -> Callable:
+  """What a client's local steps see of its padded shard, by the backbone's ``training_input``.
+
+  Returns ``training_input(shard, train_rows) -> (x f32[..., N', F], y
+  i32[..., N'], train_mask bool[..., N'], groups i32[..., N'], graph)`` for
+  one client's shard or a bucket's stacked ones; ``groups`` are the batch
+  norm's: each row's domain, D on the rows it leaves out (so a pooled client
+  holding several domains takes per-domain statistics, as evaluation does):
+
+    * ``graph`` (a backbone that propagates in training, GCN): the whole
+      padded graph; the batch norm takes the statistics of the client's real
+      nodes.
+    * ``rows`` (PMLP-GCN, MLP): node rows only, no graph. With
+      ``config.norm_rows == "train"`` only the first ``train_rows`` rows
+      (rows are ordered train first, so the rest never reach the loss),
+      whose training nodes are also the batch norm's statistics; with
+      ``"all"`` every row, statistics over all of the client's nodes, as
+      PMLP's reference code.
+  """
+  kind = models.BACKBONES[config.backbone].training_input
+  if kind not in ("graph", "rows"):
+    raise ValueError(f"training input {kind!r} of {config.backbone} is not supported")
+  rows_only = kind == "rows" and config.norm_rows == "train"
+
+  def training_input(shard: Shard, train_rows: int):
+    if not rows_only:  # node_domain is D on padding rows
+      return (shard.x, shard.y, shard.train, shard.node_domain,
+              shard if kind == "graph" else None)
+    cut = lambda a: a[..., :train_rows]
+    groups = jnp.where(cut(shard.train), cut(shard.node_domain), num_domains)
+    return shard.x[..., :train_rows, :], cut(shard.y), cut(shard.train), groups, None
+
+  return training_input
+
+
+def for_each_client(local_update, federation: Federation, training_input: Callable,
+                    start: PyTree, global_params: PyTree, shards: tuple[Shard, ...], keys: Array,
+                    client_state: PyTree = (), server_state: PyTree = (),
+                    per_client_start: bool = False, backend: str = "vmap") -> ClientOutput:
+  """Every client's local training, rows in client order.
 
   Args:
-    local_update: from ``client.make_local_update``.
+    local_update: from ``client.make_local_update`` (jitted by the caller for
+      the loop backend: one compile per bucket shape).
     federation: gives the static bucket layout.
-    propagates_in_training: whether the backbone needs the client graph.
-    params: the model the clients start from: the global model W, or with
-      ``per_client_params`` each client's own (leaves [C, ...]).
+    training_input: from ``make_training_input``.
+    start: the model the clients start from: the global model, or with
+      ``per_client_start`` each client's own (leaves [C, ...]).
+    global_params: the global model W.
     shards: per bucket a ``Shard`` with leaves [C_b, ...] (one seed).
     keys: [C] one PRNG key per client.
     client_state: the method's per-client state, leaves [C, ...].
     server_state: the method's server state (shared by all clients).
-    per_client_params: see ``params``.
-    rows_only: see ``training_input``.
+    per_client_start: see ``start``.
+    backend: ``vmap`` (one batched computation per size bucket: the
+      simulation's) or ``loop`` (a Python loop over clients: the reference
+      for tests and the bench).
 
   Returns:
-    (client updates with leaves [C, ...], losses f32[C, local_steps]).
+    ``ClientOutput`` with leaves [C, ...] (losses f32[C, local_steps]).
+
+  Raises:
+    ValueError: for an unknown backend.
   """
-  outputs = []
+  if backend not in ("vmap", "loop"):
+    raise ValueError(f"backend = {backend!r}; choose 'vmap' or 'loop'")
+  rows_of = lambda tree, idx: jax.tree.map(lambda leaf: leaf[idx], tree)
+  starts = lambda idx: rows_of(start, idx) if per_client_start else start
+  outputs, order = [], np.argsort(np.concatenate(federation.bucket_clients))
   for clients, rows, shard in zip(federation.bucket_clients, federation.bucket_train_rows,
                                   shards):
-    rows_of = lambda tree: jax.tree.map(lambda leaf: leaf[np.asarray(clients)], tree)
-    start = rows_of(params) if per_client_params else params
-    outputs.append(jax.vmap(local_update, in_axes=(0 if per_client_params else None,
-                                                   0, 0, 0, 0, 0, 0, 0, None))(
-        start, *training_input(shard, rows, propagates_in_training, rows_only), rows_of(keys),
-        rows_of(client_state), server_state))
-  order = np.argsort(np.concatenate(federation.bucket_clients))
-  return jax.tree.map(lambda *parts: jnp.concatenate(parts)[order], *outputs)
-
-
-def training_input(shard: Shard, train_rows: int, propagates_in_training: bool,
-                   rows_only: bool = True):
-  """What a client's local steps see of its padded shard (one client, or a bucket's stacked).
-
-  A backbone that propagates in training gets the whole padded graph, and its
-  batch norm the statistics of the client's real nodes. One that does not
-  (PMLP-GCN, MLP) gets node rows only, no graph: with ``rows_only`` the first
-  ``train_rows`` rows (rows are ordered train first, so the rest never reach
-  the loss), whose training nodes are also the batch norm's statistics;
-  without it every row, statistics over all of the client's nodes, as PMLP's
-  reference code computes them (``Config.norm_rows``).
-
-  Returns:
-    (x f32[..., N', F], y i32[..., N'], train_mask bool[..., N'],
-    node_mask bool[..., N'] (the batch norm's rows), graph: the shard or None).
-  """
-  if propagates_in_training or not rows_only:
-    real = shard.train | shard.val | shard.test
-    return shard.x, shard.y, shard.train, real, shard if propagates_in_training else None
-  cut = lambda a: a[..., :train_rows]
-  return shard.x[..., :train_rows, :], cut(shard.y), cut(shard.train), cut(shard.train), None
-
-
-def client_updates_loop(local_update, federation: Federation, propagates_in_training: bool,
-                        params: PyTree, shards: tuple[Shard, ...], keys: Array,
-                        client_state: PyTree = (), server_state: PyTree = (),
-                        rows_only: bool = True):
-  """``client_updates`` with a Python loop over clients: the reference for tests and bench.
-
-  ``local_update`` should be jitted by the caller (one compile per bucket shape).
-  """
-  per_client = [None] * federation.num_clients
-  for clients, rows, shard in zip(federation.bucket_clients, federation.bucket_train_rows,
-                                  shards):
+    if backend == "vmap":
+      idx = np.asarray(clients)
+      outputs.append(jax.vmap(local_update, in_axes=(0 if per_client_start else None, None,
+                                                     0, 0, 0, 0, 0, 0, 0, None))(
+          starts(idx), global_params, *training_input(shard, rows), keys[idx],
+          rows_of(client_state, idx), server_state))
+      continue
     for j, k in enumerate(clients):
-      one = jax.tree.map(lambda leaf: leaf[j], shard)
-      state_k = jax.tree.map(lambda leaf: leaf[k], client_state)
-      per_client[k] = local_update(
-          params, *training_input(one, rows, propagates_in_training, rows_only), keys[k],
-          state_k, server_state)
-  return jax.tree.map(lambda *rows_: jnp.stack(rows_), *per_client)
+      outputs.append(jax.tree.map(lambda leaf: leaf[None], local_update(
+          starts(k), global_params, *training_input(rows_of(shard, j), rows), keys[k],
+          rows_of(client_state, k), server_state)))
+  return jax.tree.map(lambda *parts: jnp.concatenate(parts)[order], *outputs)
 
 
 def finite_clients(client_updates: PyTree) -> Array:
@@ -323,6 +322,9 @@ def domain_scores(pred: Array, labels: Array, mask: Array, node_domain: Array,
   return Scores(acc, bacc, f1, jnp.sum(predicted > 0, axis=-1).astype(jnp.int32))
 
 
+
+
+
 _SIMULATIONS: dict = {}
 
 
@@ -333,7 +335,9 @@ def make_simulation(config: Config, federation: Federation,
 
   The result depends only on the recipe and the federation's static layout, so
   it is memoised on them: a second sweep of the same layout in one process
-  (another grid, a resume, a test) reuses the compiled program.
+  (another grid, a resume, a test) reuses the compiled program; a batch of
+  cells with another layout (other aggregator groups or group sizes)
+  compiles ``run_chunk`` once more.
 
   Args:
     config: model and local training recipe.
@@ -341,7 +345,7 @@ def make_simulation(config: Config, federation: Federation,
       its arrays are passed at call time via ``sim_data``).
     diagnostics: compute update diagnostics at these rounds; None (the
       default) compiles none of it, so a plain sweep pays nothing.
-    method, method_hparams: the base method and its hyper-parameters (see
+    method, method_hparams: the method and its hyper-parameters (see
       ``methods.make_method``).
 
   Raises:
@@ -360,13 +364,13 @@ def make_simulation(config: Config, federation: Federation,
 def _make_simulation(config, federation, diagnostics, method_name, method_hparams):
   model = config.model(federation.num_classes)
   method = methods_lib.make_method(method_name, model, config, method_hparams)
-  local_update = make_local_update(model, config, method)
-  fedia = aggregators.fedia()
   num_clients, num_domains = federation.num_clients, len(federation.domains)
+  local_update = make_local_update(model, config, method, num_domains)
+  training_input = make_training_input(config, num_domains)
   feature_dim = federation.eval_x.shape[-1]
   trace_count = [0]
 
-  def init_run(seed):
+  def init_run(seed, aggregator):
     # Keys from the seed alone: every cell (and every method) of a seed starts
     # from the same model and draws the same dropout masks (paired runs).
     seed_key = jax.random.PRNGKey(seed)
@@ -374,71 +378,67 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
     # Parameters do not depend on the graph: initialise without propagation.
     plain = model.clone(propagate_train=False, propagate_eval=False)
     params = plain.init(init_key, jnp.zeros((1, feature_dim)), None, train=False)
-    return SimState(params, fedia.init(num_clients), method.init(params, num_clients), run_key,
+    return SimState(params, aggregators.get(aggregator).init(num_clients, params),
+                    method.init(params, num_clients), run_key,
                     jax.random.fold_in(seed_key, SAMPLING_STREAM))
 
-  def init(seeds, cells):
-    per_seed = jax.vmap(init_run)(jnp.asarray(seeds))
-    num_cells = cells.rho.shape[0]
-    return jax.tree.map(lambda leaf: jnp.repeat(leaf[:, None], num_cells, axis=1), per_seed)
+  def init(seeds, batch: CellBatch):
+    states = []
+    for group in batch.groups:
+      per_seed = jax.vmap(lambda seed: init_run(seed, group.aggregator))(jnp.asarray(seeds))
+      states.append(jax.tree.map(lambda leaf: jnp.repeat(leaf[:, None], group.size, axis=1),
+                                 per_seed))
+    return tuple(states)
 
-  def aggregate(state, cell, updates, losses, train_counts, sampled=None):
+  def aggregate(state, aggregator, hparams, outputs: ClientOutput, train_counts, sampled=None):
     # A non-finite update never reaches the global model: its client is treated
-    # as absent this round (weights renormalised over the others, FedIA's alpha
-    # and its per-client state kept); the sweep then stops or counts it, as
-    # its policy says.
-    finite = finite_clients(updates)
+    # as absent this round (weights renormalised over the others, the
+    # aggregator's and the method's per-client state kept); the sweep then
+    # stops or counts it, as its policy says.
+    finite = finite_clients(outputs.update)
     participating = finite & (train_counts > 0)
     if sampled is not None:
       participating = participating & sampled
-    # rho = 1 (base cells) keeps every coordinate: one code path for all cells.
-    mask = aggregators.importance_mask(updates, cell.rho, participating)
-    alpha = aggregators.contribution_weights(updates, mask, state.aggregator.alpha, cell.beta,
-                                             participating)
-    own = jnp.ones_like(train_counts) if method.uniform_weights else train_counts
-    weights = jnp.where(cell.momentum, alpha, own)
-    weights = jnp.where(participating, weights, 0.0)
-    weights = weights / jnp.maximum(jnp.sum(weights), 1e-30)
-    masked = jax.tree.map(lambda u, m: u * m, updates, mask)
-    update = aggregators.fedavg(masked, weights, participating)
-    num_participants = jnp.sum(participating).astype(jnp.float32)
+    base_weights = jnp.ones_like(train_counts) if method.uniform_weights else train_counts
+    update, agg_state, diag = aggregators.get(aggregator).update(
+        outputs.update, state.aggregator, weights=base_weights, participating=participating,
+        **hparams)
+    # A client whose update is finite but one of whose statistics is not (an
+    # overflowing norm) was left out by the aggregator: it is absent too.
+    participating = participating & ~diag.excluded
+    num_participants = jnp.sum(participating)
     params, server = method.server_step(state.params, state.method.server, update,
-                                        num_participants, num_clients)
+                                        outputs.upload, participating, num_clients)
     # A round nobody took part in changes nothing (FedDyn's h/alpha term and a
     # server optimiser's momentum would otherwise still move W).
     nobody = num_participants == 0
-    params, server = jax.tree.map(lambda old, new: jnp.where(nobody, old, new),
-                                  (state.params, state.method.server), (params, server))
-    after = jax.vmap(method.client_after, in_axes=(0, 0, None, None))(
-        state.method.clients, updates, state.params, state.method.server)
+    params, server, agg_state = jax.tree.map(
+        lambda old, new: jnp.where(nobody, old, new),
+        (state.params, state.method.server, state.aggregator), (params, server, agg_state))
     keep_new = lambda new, old: jnp.where(
         participating.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
-    clients = jax.tree.map(keep_new, after, state.method.clients)
-    aggregator = aggregators.FedIAState(jnp.where(cell.momentum, alpha, state.aggregator.alpha))
-    kept = sum(jnp.count_nonzero(m) for m in jax.tree.leaves(mask))
-    total = sum(m.size for m in jax.tree.leaves(mask))
-    # XLA may divide by a constant as a multiply by its reciprocal: 1 - 6e-8
-    # for a full mask. Full coverage is reported as exactly 1.
-    coverage = jnp.where(kept == total, 1.0, kept / total)
+    clients = jax.tree.map(keep_new, outputs.client_state, state.method.clients)
     # Only updates that would have been aggregated count as non-finite.
     counted = train_counts > 0 if sampled is None else sampled & (train_counts > 0)
-    metrics = (jnp.sum(jnp.where(participating, losses[:, -1], 0.0))
-               / jnp.maximum(num_participants, 1), weights, coverage, ~finite & counted)
-    return state._replace(params=params, aggregator=aggregator,
+    loss = (jnp.sum(jnp.where(participating, outputs.losses[:, -1], 0.0))
+            / jnp.maximum(num_participants, 1))
+    # A personal method (local training) aggregates nothing: no weight to record.
+    weights = jnp.zeros_like(diag.weights) if method.personal else diag.weights
+    metrics = (loss, weights, diag.mask_coverage, (~finite | diag.excluded) & counted)
+    return state._replace(params=params, aggregator=agg_state,
                           method=methods_lib.MethodState(clients, server)), metrics
 
-  def train_and_aggregate(state, cell, shards, train_counts, t):
+  def train_and_aggregate(state, aggregator, hparams, shards, train_counts, t):
     start = state.method.clients if method.personal else state.params
-    updates, losses = client_updates(local_update, federation, model.propagate_train,
-                                     start, shards, client_keys(state.key, t, num_clients),
-                                     state.method.clients, state.method.server,
-                                     per_client_params=method.personal,
-                                     rows_only=config.norm_rows == "train")
+    outputs = for_each_client(local_update, federation, training_input, start, state.params,
+                              shards, client_keys(state.key, t, num_clients),
+                              state.method.clients, state.method.server,
+                              per_client_start=method.personal)
     sampled = sample_clients(state.sample_key, t, num_clients, config.participation)
-    state, metrics = aggregate(state, cell, updates, losses, train_counts, sampled)
+    state, metrics = aggregate(state, aggregator, hparams, outputs, train_counts, sampled)
     if diagnostics is None:
       return state, metrics + (None,)
-    return state, metrics + (round_diagnostics(updates, train_counts, metrics[-1], t),)
+    return state, metrics + (round_diagnostics(outputs.update, train_counts, metrics[-1], t),)
 
   def round_diagnostics(updates, train_counts, nonfinite, t):
     from fedjax_graph import diagnostics as diag_lib  # Only imported when asked for.
@@ -464,26 +464,35 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
                                         federation.num_classes)
     return scores(test_mask), scores(val_mask).acc
 
-  def run_round(state, t, cells, data):
-    per_cell = jax.vmap(train_and_aggregate, in_axes=(0, 0, None, None, None))
-    state, (loss, alpha, coverage, nonfinite, diags) = jax.vmap(
-        per_cell, in_axes=(0, None, 0, None, None))(
-            state, cells, data.client_shards, data.train_counts, t)
+  def run_group(state, group, hparams, t, data):
+    per_cell = jax.vmap(lambda s, h, shards: train_and_aggregate(
+        s, group.aggregator, h, shards, data.train_counts, t), in_axes=(0, 0, None))
+    state, (loss, weights, coverage, nonfinite, diags) = jax.vmap(
+        per_cell, in_axes=(0, None, 0))(state, hparams, data.client_shards)
     per_cell_eval = jax.vmap(evaluate, in_axes=(0, None, None, None, None))
     evaluated = state.method.clients if method.personal else state.params
     test, val_acc = jax.vmap(per_cell_eval, in_axes=(0, 0, 0, 0, None))(
         evaluated, data.eval_val, data.eval_test, data.eval_owner, data)
-    return state, RoundMetrics(test.acc, val_acc, test.bacc, test.f1, loss, alpha, coverage,
+    return state, RoundMetrics(test.acc, val_acc, test.bacc, test.f1, loss, weights, coverage,
                                nonfinite, test.classes, diags)
 
-  def run_chunk(state, first_round, cells, data, num_rounds):
+  def run_round(states, t, batch: CellBatch, data):
+    results = [run_group(state, group, hparams, t, data)
+               for state, group, hparams in zip(states, batch.groups, batch.values)]
+    states = tuple(state for state, _ in results)
+    # Groups' cells side by side: [S, G_g, ...] -> [S, G', ...].
+    metrics = jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=1),
+                           *(metrics for _, metrics in results))
+    return states, metrics
+
+  def run_chunk(state, first_round, batch, data, num_rounds):
     trace_count[0] += 1
-    step = lambda s, t: run_round(s, t, cells, data)
+    step = lambda s, t: run_round(s, t, batch, data)
     state, metrics = jax.lax.scan(step, state, first_round + jnp.arange(num_rounds))
     # scan stacks rounds first: [L, S, G', ...] -> [S, G', L, ...].
     return state, jax.tree.map(lambda m: jnp.moveaxis(m, 0, 2), metrics)
 
-  return Simulation(model=model, local_update=local_update, aggregate=aggregate,
-                    method=method, evaluate=evaluate, init=jax.jit(init),
+  return Simulation(model=model, local_update=local_update, training_input=training_input,
+                    aggregate=aggregate, method=method, evaluate=evaluate, init=jax.jit(init),
                     run_chunk=jax.jit(run_chunk, static_argnames="num_rounds"),
                     trace_count=trace_count)

@@ -19,15 +19,14 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from fedjax_graph import analysis, report
+from fedjax_graph import aggregators, analysis, report
 
-VARIANTS = ("base", "+IM", "+FedIA", "reference")
 REFERENCE = "reference"  # Majority, Local, Centralized: a floor or ceiling, no "+FedIA"
 METRICS = (("acc", "", "Test accuracy (%)"), ("bacc", "bacc_", "Balanced accuracy (%)"))
 
 
 class RunResult(NamedTuple):
-  """The saved arrays of one sweep (``runs/<key>.npz``); cells: G' = FedIA-family cells, then the base.
+  """The saved arrays of one sweep (``runs/<key>.npz``), its G' cells in order.
 
   Attributes:
     test_acc, val_acc: f32[S, G', T, D] accuracy fractions.
@@ -37,7 +36,10 @@ class RunResult(NamedTuple):
       fractions on the test nodes.
     train_loss: f32[S, G', T] mean over clients of the training loss.
     nonfinite: bool[S, G', T, C]. alpha: f32[S, G', T, C].
-    rho, beta: f64[G']. fedia, momentum: bool[G'] (see ``simulation.Cells``).
+    labels: str[G'] the cells' labels (``cells.Cell``).
+    aggregators: str[G'] each cell's aggregator.
+    hparams: ``{name: f64[G']}`` each hyper-parameter of any cell, NaN where
+      a cell has none.
     seconds: wall time of the sweep (s).
   """
   test_acc: np.ndarray
@@ -48,10 +50,9 @@ class RunResult(NamedTuple):
   train_loss: np.ndarray
   nonfinite: np.ndarray
   alpha: np.ndarray
-  rho: np.ndarray
-  beta: np.ndarray
-  fedia: np.ndarray
-  momentum: np.ndarray
+  labels: np.ndarray
+  aggregators: np.ndarray
+  hparams: dict
   seconds: float
 
 
@@ -82,8 +83,10 @@ class TableRow(NamedTuple):
   Attributes:
     label: the method as printed, e.g. ``FedProx+FedIA``.
     method: the base method's key, e.g. ``fedprox``.
-    variant: one of ``VARIANTS``.
-    rho, beta: FedIA's mask ratio and momentum (None where unused).
+    variant: ``base`` (the method's own averaging), ``reference``, or
+      ``+<aggregator>`` (e.g. ``+fedia``, ``+gma``, ``+fedia_im``).
+    hparams: the cell's hyper-parameters as (name, value) pairs (none for a
+      base or reference row).
     acc: test accuracy. bacc: balanced accuracy.
     constant: i64[D] number of seeds whose model predicts one class on that
       domain's test nodes through all of the final rounds.
@@ -95,8 +98,7 @@ class TableRow(NamedTuple):
   label: str
   method: str
   variant: str
-  rho: Optional[float]
-  beta: Optional[float]
+  hparams: tuple
   acc: Scores
   bacc: Scores
   constant: np.ndarray
@@ -106,6 +108,10 @@ class TableRow(NamedTuple):
   @property
   def num_seeds(self) -> int:
     return self.acc.per_seed.shape[0]
+
+  @property
+  def hparam_dict(self) -> dict:
+    return dict(self.hparams)
 
 
 # --------------------------------------------------------------------------
@@ -149,9 +155,11 @@ def validation_avg(result: RunResult, g: int, last: int) -> float:
   return float(analysis.final_rounds(result.val_acc[:, g], last)[:, -1].mean())
 
 
-def select_cell(result: RunResult, select: str, last: int) -> int:
-  """Index of the reported "+FedIA" cell: the only one (fixed) or the best validation AVG (val)."""
-  candidates = np.flatnonzero(result.fedia & result.momentum)
+def select_cell(result: RunResult, aggregator: str, select: str, last: int) -> int:
+  """Index of the reported cell of ``aggregator``: the only one (fixed) or the best validation AVG (val)."""
+  candidates = np.flatnonzero(np.asarray(result.aggregators) == aggregator)
+  if not len(candidates):
+    raise ValueError(f"no cell of aggregator {aggregator!r} in {list(result.labels)}")
   if select == "fixed" or len(candidates) == 1:
     return int(candidates[0])
   val_avg = np.array([validation_avg(result, g, last) for g in candidates])
@@ -165,15 +173,14 @@ def _scores(values: np.ndarray, last: int) -> Scores:
   return Scores(analysis.final_rounds(values, last), mean, std)
 
 
-def make_row(result: RunResult, g: int, label: str, method: str, variant: str,
-             last: int) -> TableRow:
-  """The table row of cell ``g`` of a run (deltas filled in by ``add_deltas``).
+def make_row(result: RunResult, g: int, method: str, variant: str, last: int) -> TableRow:
+  """The table row of cell ``g`` of a run, labelled as the cell (deltas filled in by ``add_deltas``).
 
   Raises:
-    ValueError: for a variant not in ``VARIANTS``.
+    ValueError: for a variant other than ``base``, ``reference`` or ``+<aggregator>``.
   """
-  if variant not in VARIANTS:
-    raise ValueError(f"variant = {variant!r}; choose one of {VARIANTS}")
+  if variant not in ("base", REFERENCE) and not variant.startswith("+"):
+    raise ValueError(f"variant = {variant!r}; choose base, {REFERENCE} or +<aggregator>")
   # A reference row is shown whatever it predicts: the majority row is constant
   # by design, and the floor is what a constant model scores.
   classes = result.predicted_classes[:, g]
@@ -181,10 +188,11 @@ def make_row(result: RunResult, g: int, label: str, method: str, variant: str,
                               np.maximum(classes, 2) if variant == "reference" else classes,
                               int(result.nonfinite[:, g].sum()), last)
   constant = analysis.constant_domains(result.predicted_classes[:, g], last).sum(axis=0)
-  uses_mask, uses_momentum = bool(result.fedia[g]), bool(result.momentum[g])
-  return TableRow(label, method, variant,
-                  float(result.rho[g]) if uses_mask else None,
-                  float(result.beta[g]) if uses_momentum else None,
+  if method == "majority":  # one class per domain by construction: no news to flag
+    constant = np.zeros_like(constant)
+  hparams = tuple((name, float(values[g])) for name, values in result.hparams.items()
+                  if not np.isnan(values[g]))
+  return TableRow(str(result.labels[g]), method, variant, hparams,
                   _scores(result.test_acc[:, g], last), _scores(result.test_bacc[:, g], last),
                   constant, float(analysis.loss_slope(result.train_loss[:, g], last).mean()),
                   status)
@@ -251,10 +259,11 @@ def _constant_mark(row: TableRow, j: int) -> str:
   return f" ᶜ{int(row.constant[j])}/{row.num_seeds}"
 
 
+SYMBOLS = {"rho": "ρ", "beta": "β", "tau": "τ"}
+
+
 def _hparams(row: TableRow) -> str:
-  if row.rho is None:
-    return ""
-  return f"ρ={row.rho:g}" + ("" if row.beta is None else f", β={row.beta:g}")
+  return ", ".join(f"{SYMBOLS.get(name, name)}={value:g}" for name, value in row.hparams)
 
 
 def _constant_list(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
@@ -324,7 +333,8 @@ def to_csv(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
   ``train_loss_slope`` (loss per round).
   """
   names = list(domains) + ["AVG"]
-  columns = ["method", "base", "variant", "rho", "beta", "status"]
+  hparam_names = list(dict.fromkeys(name for row in rows for name, _ in row.hparams))
+  columns = ["method", "base", "variant", *hparam_names, "status"]
   for _, prefix, _ in METRICS:
     columns += ([f"{d}_{prefix}{stat}" for d in names for stat in ("mean", "std")]
                 + [f"{d}_{prefix}delta_base{ci}" for d in names for ci in ("", "_ci")]
@@ -334,8 +344,8 @@ def to_csv(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
   writer = csv.writer(out, lineterminator="\n")
   writer.writerow(columns)
   for row in rows:
-    values = [row.label, row.method, row.variant, _number(row.rho, "g"), _number(row.beta, "g"),
-              row.status]
+    values = [row.label, row.method, row.variant,
+              *(_number(row.hparam_dict.get(name), "g") for name in hparam_names), row.status]
     for metric, _, _ in METRICS:
       scores = getattr(row, metric)
       values += [_number(v) for pair in zip(scores.mean, scores.std) for v in pair]
@@ -350,7 +360,7 @@ def to_csv(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
 
 def _latex_escape(text: str) -> str:
   for plain, latex in (("_", r"\_"), ("%", r"\%"), ("&", r"\&"), ("ρ", r"$\rho$"),
-                       ("β", r"$\beta$")):
+                       ("β", r"$\beta$"), ("τ", r"$\tau$"), ("±", r"$\pm$")):
     text = text.replace(plain, latex)
   return text
 
@@ -396,7 +406,7 @@ def _latex_table(rows: Sequence[TableRow], domains: Sequence[str], metric: str,
     delta = _latex_delta(scores.delta_fedavg, -1)
     cells.append(f"${delta}$" if delta else "")
     lines.append(f"{label} & " + " & ".join(cells) + r" \\")
-    if row.variant == "+FedIA" and i + 1 < len(rows):
+    if i + 1 < len(rows) and rows[i + 1].method != row.method:  # one block per method
       lines.append(r"\midrule")
   lines += [r"\bottomrule", r"\end{tabular}", f"\\caption{{{caption}}}", r"\end{table}"]
   return lines
@@ -431,16 +441,20 @@ def plot_table(rows: Sequence[TableRow], path, title: str) -> None:
   """Bar chart of AVG accuracy (mean, error bar ±std) per row in order; NC rows hatched at 0."""
   fig = Figure(figsize=(1.2 + 0.55 * len(rows), 3.6))
   ax = fig.add_subplot()
-  colors = {"base": "#8c8c8c", "+IM": "#6baed6", "+FedIA": "#2171b5", REFERENCE: "#e6550d"}
-  names = {"base": "base method", "+IM": "+IM (mask only)", "+FedIA": "+FedIA (IM+CAM)",
-           REFERENCE: "reference (Majority, Local, Centralized)"}
+  names = {"base": "base method", REFERENCE: "reference (Majority, Local, Centralized)"}
+  variants = list(dict.fromkeys(row.variant for row in rows))
+  palette = dict(zip([v for v in variants if v not in names],
+                     ["#2171b5", "#6baed6", "#31a354", "#756bb1", "#e7ba52", "#843c39"]))
+  colors = {"base": "#8c8c8c", REFERENCE: "#e6550d", **palette}
   seen = set()
   for i, row in enumerate(rows):
     ok = converged(row)
-    label = names[row.variant] if row.variant not in seen else None
+    name = names.get(row.variant) or "+" + aggregators.DISPLAY.get(row.variant[1:],
+                                                                   row.variant[1:])
+    label = name if row.variant not in seen else None
     seen.add(row.variant)
     ax.bar(i, row.acc.mean[-1] if ok else 0.0, yerr=row.acc.std[-1] if ok else None, capsize=3,
-           color=colors[row.variant], hatch=None if ok else "//", label=label)
+           color=colors.get(row.variant, "#636363"), hatch=None if ok else "//", label=label)
     if not ok:
       ax.text(i, 0, "NC", ha="center", va="bottom", fontsize=8)
   ax.set_xticks(range(len(rows)), [r.label for r in rows], rotation=45, ha="right", fontsize=8)
@@ -452,33 +466,46 @@ def plot_table(rows: Sequence[TableRow], path, title: str) -> None:
 
 
 def plot_grid_heatmap(result: RunResult, domains: Sequence[str], last: int, path,
-                      title: str = "", base_label: str = "FedAvg") -> report.DeltaGrid:
-  """grid.py's ΔAVG heatmap for a ``--select val`` sweep: the (ρ, β) cells against the base cell.
+                      title: str = "", base_label: str = "FedAvg", *,
+                      aggregator: str = "fedia",
+                      reported: Optional[int] = None) -> report.DeltaGrid:
+  """grid.py's ΔAVG heatmap for a ``--select val`` sweep: one aggregator's cells against the base cell.
 
   Args:
-    result: a sweep whose FedIA cells (mask and momentum) form the grid and
-      whose one cell without FedIA is the base method.
+    result: a sweep with cells of ``aggregator`` (the grid) and one cell of
+      the base method's own averaging (aggregator ``fedavg``).
     domains: D domain names. last: final rounds summarised.
     path: destination image, e.g. ``heatmap-fedprox.png``.
     title: dataset/setting. base_label: the base method as printed.
+    aggregator: whose cells form the grid; the heatmap's axes are its
+      hyper-parameters (ρ×β for FedIA, τ for GMA), in its own order.
+    reported: the cell the table reports (``select_cell``, on validation),
+      boxed; None boxes the best test cell.
 
   Returns:
     The grid as drawn (``report.plot_heatmap``).
 
   Raises:
-    ValueError: if the sweep has no grid cell or not exactly one base cell.
+    ValueError: if the sweep has no cell of ``aggregator`` or not exactly one
+      base cell.
   """
-  grid = np.flatnonzero(result.fedia & result.momentum)
-  base = np.flatnonzero(~np.asarray(result.fedia))
+  kinds = np.asarray(result.aggregators)
+  grid = np.flatnonzero(kinds == aggregator)
+  base = np.flatnonzero(kinds == report.FEDAVG)  # ``cells.BASE``
   if len(base) != 1 or not len(grid):
-    raise ValueError(f"need FedIA grid cells and one base cell; got {len(grid)} and {len(base)}")
+    raise ValueError(f"need {aggregator} grid cells and one base cell; got {len(grid)} and "
+                     f"{len(base)}")
 
   def runs(cells: np.ndarray) -> report.Runs:  # [S, G', ...] -> [len(cells), S, ...]
     return report.Runs(*(np.moveaxis(getattr(result, name)[:, cells], 1, 0) for name in (
         "test_acc", "test_bacc", "test_f1", "predicted_classes", "train_loss")))
 
+  hparams = {name: np.asarray(result.hparams[name], np.float64)[grid]
+             for name in aggregators.get(aggregator).hparams if name in result.hparams}
   skipped = np.asarray(result.nonfinite).sum(axis=(0, 2, 3))  # [G']
-  rows = report.summarize(report.Runs(*(x[0] for x in runs(base))), runs(grid), result.rho[grid],
-                          result.beta[grid], domains, last,
-                          skipped=np.concatenate([skipped[base], skipped[grid]]))
-  return report.plot_heatmap(rows, path, title, base_label)
+  rows = report.summarize(report.Runs(*(x[0] for x in runs(base))), runs(grid), hparams, domains,
+                          last, skipped=np.concatenate([skipped[base], skipped[grid]]),
+                          cell_method=f"{report.FEDAVG}+{aggregator}")
+  boxed = None if reported is None else rows[1 + list(grid).index(reported)]
+  return report.plot_heatmap(rows, path, title, base_label, boxed=boxed,
+                             boxed_by="reported: best validation AVG")

@@ -6,30 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from aggregator_testing import random_updates, tree_allclose, tree_equal
 from fedjax_graph import aggregators as agg
-
-
-def _random_updates(seed, num_clients):
-  """A small two-layer 'model' of client updates, leaves f32[C, ...]."""
-  rng = np.random.default_rng(seed)
-  def normal(*shape):
-    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
-  return {
-      "dense": {"kernel": normal(num_clients, 4, 3), "bias": normal(num_clients, 3)},
-      "out": normal(num_clients, 5),
-  }
-
-
-def _tree_allclose(a, b, rtol=1e-6, atol=1e-7):
-  chex.assert_trees_all_equal_structs(a, b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
-
-
-def _tree_equal(a, b):
-  chex.assert_trees_all_equal_structs(a, b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _masked_weighted_sum(updates, mask, coeff):
@@ -76,21 +54,24 @@ def test_fedavg_zero_weights_and_nan_padding_give_no_nan():
 
 
 def test_fedavg_aggregator_matches_fedavg_and_fedia_without_switches():
-  u = _random_updates(0, 4)
+  u = random_updates(0, 4)
   counts = jnp.array([10.0, 20.0, 30.0, 40.0])
   part = jnp.array([True, True, False, True])
   fa = agg.fedavg_aggregator()
+  assert dict(fa.hparams) == {}
   state = fa.init(4)
-  out, new_state, diag = fa.update(u, state, 0.3, 0.7, base_weights=counts,
-                                   participating=part)
-  _tree_equal(out, agg.fedavg(u, counts, part))
+  out, new_state, diag = fa.update(u, state, weights=counts, participating=part)
+  tree_equal(out, agg.fedavg(u, counts, part))
   assert new_state == state == ()
-  np.testing.assert_allclose(diag.alpha, [10 / 70, 20 / 70, 0.0, 40 / 70], rtol=1e-6)
-  assert float(diag.mask_coverage) == 1.0
+  assert isinstance(diag, agg.Diagnostics)
+  np.testing.assert_allclose(diag.weights, [10 / 70, 20 / 70, 0.0, 40 / 70], rtol=1e-6)
+  assert float(diag.mask_coverage) == 1.0 and not np.any(diag.excluded)
   plain = agg.fedia(use_mask=False, use_momentum=False)
-  out2, _, diag2 = plain.update(u, plain.init(4), 0.3, 0.7, counts, part)
-  _tree_equal(out, out2)
-  _tree_equal(diag, diag2)
+  assert dict(plain.hparams) == {}
+  out2, _, diag2 = plain.update(u, plain.init(4), weights=counts, participating=part)
+  tree_equal(out, out2)
+  np.testing.assert_array_equal(diag2.weights, diag.weights)
+  np.testing.assert_array_equal(diag2.alpha, diag.weights)
 
 
 # ----------------------------------------------------------------------------
@@ -234,7 +215,7 @@ def test_contribution_weights_scores_1e4_apart_are_finite_and_one_hot():
 
 
 def test_fedia_non_participant_keeps_alpha_and_has_no_weight():
-  u = _random_updates(1, 4)
+  u = random_updates(1, 4)
   u = jax.tree.map(lambda x: x.at[1].set(jnp.nan), u)  # absent client's padding
   part = jnp.array([True, False, True, True])
   state = agg.FedIAState(alpha=jnp.array([0.1, 0.4, 0.2, 0.3]))
@@ -247,7 +228,7 @@ def test_fedia_non_participant_keeps_alpha_and_has_no_weight():
   mask = agg.importance_mask(u, 0.5, part)
   coeff = np.where(np.asarray(part), np.asarray(new_state.alpha), 0.0)
   u_clean = jax.tree.map(lambda x: jnp.nan_to_num(x, nan=0.0), u)
-  _tree_allclose(out, _masked_weighted_sum(u_clean, mask, coeff), rtol=1e-5, atol=1e-6)
+  tree_allclose(out, _masked_weighted_sum(u_clean, mask, coeff), rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------
@@ -256,7 +237,7 @@ def test_fedia_non_participant_keeps_alpha_and_has_no_weight():
 
 
 def test_fedia_is_composition_of_its_parts():
-  u = _random_updates(2, 4)
+  u = random_updates(2, 4)
   fedia = agg.fedia()
   state = agg.FedIAState(alpha=jnp.array([0.1, 0.3, 0.2, 0.4]))
   out, new_state, diag = fedia.update(u, state, 0.4, 0.6)
@@ -264,7 +245,7 @@ def test_fedia_is_composition_of_its_parts():
   alpha = agg.contribution_weights(u, mask, state.alpha, 0.6)
   np.testing.assert_allclose(new_state.alpha, alpha, rtol=1e-6)
   np.testing.assert_allclose(diag.alpha, alpha, rtol=1e-6)
-  _tree_allclose(out, _masked_weighted_sum(u, mask, alpha), rtol=1e-5, atol=1e-6)
+  tree_allclose(out, _masked_weighted_sum(u, mask, alpha), rtol=1e-5, atol=1e-6)
   # Coverage: round(0.4*12)=5 of 12, round(0.4*3)=1 of 3, round(0.4*5)=2 of 5.
   np.testing.assert_allclose(diag.mask_coverage, 8 / 20, rtol=1e-6)
   assert new_state.alpha.dtype == jnp.float32
@@ -276,58 +257,63 @@ def test_fedia_rho1_beta1_is_uniform_mean_over_rounds():
   state = fedia.init(4)
   np.testing.assert_array_equal(state.alpha, np.full(4, 0.25, np.float32))
   for t in range(4):
-    u = _random_updates(10 + t, 4)
+    u = random_updates(10 + t, 4)
     out, state, diag = fedia.update(u, state, 1.0, 1.0)
-    _tree_equal(out, agg.fedavg(u, jnp.ones(4)))
-    _tree_allclose(out, jax.tree.map(lambda x: np.mean(np.asarray(x, np.float64), axis=0), u),
+    tree_equal(out, agg.fedavg(u, jnp.ones(4)))
+    tree_allclose(out, jax.tree.map(lambda x: np.mean(np.asarray(x, np.float64), axis=0), u),
                    rtol=0, atol=1e-6)
     np.testing.assert_array_equal(state.alpha, np.full(4, 0.25, np.float32))
     assert float(diag.mask_coverage) == 1.0
   # C = 5: 1/C is rounded in float32; equal to the mean up to float32 rounding.
   state = fedia.init(5)
   for t in range(4):
-    u = _random_updates(20 + t, 5)
+    u = random_updates(20 + t, 5)
     out, state, _ = fedia.update(u, state, 1.0, 1.0)
-    _tree_allclose(out, jax.tree.map(lambda x: np.mean(np.asarray(x, np.float64), axis=0), u),
+    tree_allclose(out, jax.tree.map(lambda x: np.mean(np.asarray(x, np.float64), axis=0), u),
                    rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(state.alpha, np.full(5, 0.2), rtol=1e-7)
 
 
 def test_fedia_im_only_is_fedavg_of_masked_updates():
-  u = _random_updates(3, 4)
+  u = random_updates(3, 4)
   counts = jnp.array([10.0, 20.0, 30.0, 40.0])
   part = jnp.array([True, True, False, True])
   im_only = agg.fedia(use_momentum=False)
+  assert dict(im_only.hparams) == {"rho": 0.5}  # beta is not used without momentum
   state = agg.FedIAState(alpha=jnp.array([0.1, 0.2, 0.3, 0.4]))
-  out, new_state, diag = im_only.update(u, state, 0.3, 0.9, base_weights=counts,
-                                        participating=part)
+  out, new_state, diag = im_only.update(u, state, 0.3, weights=counts, participating=part)
   mask = agg.importance_mask(u, 0.3, part)
   masked = jax.tree.map(lambda x, m: x * m, u, mask)
-  _tree_equal(out, agg.fedavg(masked, counts, part))
-  assert new_state is state  # passed through unchanged
-  np.testing.assert_allclose(diag.alpha, [10 / 70, 20 / 70, 0.0, 40 / 70], rtol=1e-6)
+  tree_equal(out, agg.fedavg(masked, counts, part))
+  np.testing.assert_array_equal(new_state.alpha, state.alpha)  # passed through unchanged
+  np.testing.assert_allclose(diag.weights, [10 / 70, 20 / 70, 0.0, 40 / 70], rtol=1e-6)
+  np.testing.assert_array_equal(diag.alpha, diag.weights)
   # Uniform base weights when None.
-  out, _, _ = im_only.update(u, state, 0.3, 0.9, participating=part)
-  _tree_equal(out, agg.fedavg(masked, jnp.ones(4), part))
+  out, _, _ = im_only.update(u, state, rho=0.3, participating=part)
+  tree_equal(out, agg.fedavg(masked, jnp.ones(4), part))
+  with pytest.raises(ValueError, match=r"unknown hyper-parameter.*beta.*allowed: rho"):
+    im_only.update(u, state, 0.3, beta=0.9)
 
 
 def test_fedia_cam_only_has_mask_of_ones():
-  u = _random_updates(4, 4)
+  u = random_updates(4, 4)
   cam_only = agg.fedia(use_mask=False)
+  assert dict(cam_only.hparams) == {"beta": 0.5}  # rho is not used without a mask
   state = cam_only.init(4)
-  out, new_state, diag = cam_only.update(u, state, 0.1, 0.5)
+  out, new_state, diag = cam_only.update(u, state, 0.5)
   assert float(diag.mask_coverage) == 1.0
   ones = jax.tree.map(lambda x: jnp.ones(x.shape[1:], x.dtype), u)
   alpha = agg.contribution_weights(u, ones, state.alpha, 0.5)
   np.testing.assert_allclose(new_state.alpha, alpha, rtol=1e-6)
-  _tree_allclose(out, _masked_weighted_sum(u, ones, alpha), rtol=1e-5, atol=1e-6)
-  # rho is not used (so not validated) without a mask.
-  cam_only.update(u, state, 0.0, 0.5)
+  np.testing.assert_array_equal(diag.weights, diag.alpha)
+  tree_allclose(out, _masked_weighted_sum(u, ones, alpha), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match=r"unknown hyper-parameter.*rho.*allowed: beta"):
+    cam_only.update(u, state, rho=0.1)
 
 
 def test_fedia_permutation_invariance():
   c = 4
-  u = _random_updates(5, c)
+  u = random_updates(5, c)
   part = jnp.array([True, True, False, True])
   state = agg.FedIAState(alpha=jnp.array([0.3, 0.1, 0.45, 0.15]))
   perm = np.array([3, 0, 2, 1])
@@ -336,7 +322,7 @@ def test_fedia_permutation_invariance():
   fedia = agg.fedia()
   out, new_state, diag = fedia.update(u, state, 0.3, 0.4, participating=part)
   out_p, new_state_p, diag_p = fedia.update(u_p, state_p, 0.3, 0.4, participating=part[perm])
-  _tree_allclose(out_p, out, rtol=1e-5, atol=1e-6)
+  tree_allclose(out_p, out, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(new_state_p.alpha, new_state.alpha[perm], rtol=1e-6)
   np.testing.assert_allclose(diag_p.scores, diag.scores[perm], rtol=1e-6)
   assert float(diag_p.mask_coverage) == float(diag.mask_coverage)
@@ -348,19 +334,20 @@ def test_fedia_jit_equals_no_jit_over_rounds():
   state = state_jit = fedia.init(4)
   counts = jnp.array([3.0, 1.0, 4.0, 5.0])
   for t in range(3):
-    u = _random_updates(30 + t, 4)
+    u = random_updates(30 + t, 4)
     part = jnp.array([[True, True, True, True],
                       [True, False, True, True],
                       [True, True, False, False]][t])
-    out, state, diag = fedia.update(u, state, 0.3, 0.5, counts, part)
-    out_j, state_jit, diag_j = update(u, state_jit, 0.3, 0.5, counts, part)
-    _tree_allclose(out_j, out, rtol=1e-5, atol=1e-6)
+    out, state, diag = fedia.update(u, state, 0.3, 0.5, weights=counts, participating=part)
+    out_j, state_jit, diag_j = update(u, state_jit, 0.3, 0.5, weights=counts,
+                                      participating=part)
+    tree_allclose(out_j, out, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(state_jit.alpha, state.alpha, rtol=1e-6)
-    _tree_allclose(diag_j, diag, rtol=1e-5, atol=1e-7)
+    tree_allclose(diag_j, diag, rtol=1e-5, atol=1e-7)
 
 
 def test_fedia_vmap_over_rho_beta_matches_loop_and_traces_once():
-  u = _random_updates(7, 4)
+  u = random_updates(7, 4)
   fedia = agg.fedia()
   state = agg.FedIAState(alpha=jnp.array([0.1, 0.2, 0.3, 0.4]))
   part = jnp.array([True, True, False, True])
@@ -376,7 +363,7 @@ def test_fedia_vmap_over_rho_beta_matches_loop_and_traces_once():
   out, new_state, diag = sweep(rhos, betas)
   for g, (rho, beta) in enumerate(zip([0.1, 0.3, 0.5, 1.0], [0.0, 0.5, 0.9, 1.0])):
     out_g, state_g, diag_g = fedia.update(u, state, rho, beta, participating=part)
-    _tree_allclose(jax.tree.map(lambda x: x[g], out), out_g, rtol=1e-5, atol=1e-6)
+    tree_allclose(jax.tree.map(lambda x: x[g], out), out_g, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(new_state.alpha[g], state_g.alpha, rtol=1e-6)
     np.testing.assert_allclose(diag.mask_coverage[g], diag_g.mask_coverage, rtol=1e-6)
   # Different cells really differ (the vmap does not collapse them).
@@ -398,20 +385,22 @@ def test_fedia_vmap_over_rho_beta_matches_loop_and_traces_once():
 
 def test_aggregators_scan_over_rounds():
   # The state keeps its structure and dtype, so a lax.scan over rounds works.
-  u_rounds = _random_updates(8, 4 * 3)
+  u_rounds = random_updates(8, 4 * 3)
   u_rounds = jax.tree.map(lambda x: x.reshape((3, 4) + x.shape[1:]), u_rounds)
-  for aggregator in (agg.fedia(), agg.fedavg_aggregator()):
+  params = jax.tree.map(lambda x: x[0, 0], u_rounds)
+  for name in agg.REGISTRY:
+    aggregator = agg.get(name)
     def round_fn(state, u, aggregator=aggregator):
-      out, state, diag = aggregator.update(u, state, 0.5, 0.5)
+      out, state, diag = aggregator.update(u, state)  # default hyper-parameters
       return state, (out, diag)
-    final, (outs, diags) = jax.lax.scan(round_fn, aggregator.init(4), u_rounds)
-    assert diags.alpha.shape == (3, 4)
+    final, (outs, diags) = jax.lax.scan(round_fn, aggregator.init(4, params), u_rounds)
+    assert diags.weights.shape == (3, 4) and diags.excluded.shape == (3, 4)
     assert outs["out"].shape == (3, 5)
-    chex.assert_trees_all_equal_structs(final, aggregator.init(4))
+    chex.assert_trees_all_equal_shapes_and_dtypes(final, aggregator.init(4, params))
 
 
 def test_fedia_no_participants_gives_zeros_and_keeps_state():
-  u = _random_updates(9, 4)
+  u = random_updates(9, 4)
   fedia = agg.fedia()
   state = fedia.init(4)
   out, new_state, diag = fedia.update(u, state, 0.5, 0.5, participating=jnp.zeros(4, bool))
@@ -427,7 +416,7 @@ def test_fedia_no_participants_gives_zeros_and_keeps_state():
 
 
 def test_static_errors():
-  u = _random_updates(11, 4)
+  u = random_updates(11, 4)
   fedia = agg.fedia()
   state = fedia.init(4)
   bad = {"a": jnp.zeros((4, 2)), "b": jnp.zeros((3, 2))}
@@ -463,3 +452,62 @@ def test_static_errors():
   fedia.update(u, state, 1.0, 1.0)
   m = jax.jit(agg.importance_mask)(u, 1.5)
   assert all(np.all(np.asarray(x) == 1) for x in jax.tree.leaves(m))
+
+
+# ----------------------------------------------------------------------------
+# Fault 6(a): norms that overflow float32.
+# ----------------------------------------------------------------------------
+
+
+def test_fedia_score_of_a_3e19_update_is_finite():
+  # (3e19)^2 = 9e38 overflows float32 (max 3.4e38): a naive norm is inf, its
+  # softmax NaN and every client's weight 0, healthy clients included.
+  u = {"w": jnp.array([[3e19, 0.0], [1.0, 2.0], [0.5, -0.5]], jnp.float32)}
+  with np.errstate(over="ignore"):
+    assert np.isinf(np.sqrt(np.sum(np.square(np.asarray(u["w"][0])))))
+  scores, p = agg.contribution_scores(u)
+  np.testing.assert_allclose(scores, [3e19, np.sqrt(5.0), np.sqrt(0.5)], rtol=1e-6)
+  np.testing.assert_allclose(p, [1.0, 0.0, 0.0], atol=1e-12)
+  fedia = agg.fedia()
+  out, state, diag = fedia.update(u, fedia.init(3), 1.0, 0.5)
+  # alpha = (1/2)(1/3) + (1/2) p = [2/3, 1/6, 1/6]; it already sums to 1.
+  np.testing.assert_allclose(diag.weights, [2 / 3, 1 / 6, 1 / 6], rtol=1e-6)
+  np.testing.assert_allclose(state.alpha, [2 / 3, 1 / 6, 1 / 6], rtol=1e-6)
+  assert not np.any(diag.excluded)
+  # w_0 = (2/3) 3e19 + (1/6)(1 + 0.5); w_1 = (1/6)(2 - 0.5).
+  np.testing.assert_allclose(out["w"], [2e19, 0.25], rtol=1e-6)
+  # Masked (rho = 0.5 keeps coordinate 0), the same scores for client 0.
+  _, _, diag = fedia.update(u, fedia.init(3), 0.5, 0.5)
+  assert np.all(np.isfinite(diag.weights)) and np.all(np.isfinite(diag.scores))
+  np.testing.assert_allclose(diag.scores, [3e19, 1.0, 0.5], rtol=1e-6)
+
+
+def test_fedia_excludes_and_reports_an_inf_or_overflowing_norm():
+  # Client 0 is finite but its norm 3e38 * sqrt(2) = 4.2e38 exceeds float32;
+  # client 2 holds an Inf. Both are left out; the others are renormalised.
+  big = 3e38
+  u = {"w": jnp.array([[big, big], [1.0, 2.0], [jnp.inf, 0.0], [0.5, -0.5]], jnp.float32)}
+  scores, p = agg.contribution_scores(u)
+  assert np.isinf(scores[0]) and np.isinf(scores[2])
+  # p_1 = e^√5 / (e^√5 + e^√0.5) = 1 / (1 + e^(√0.5 - √5)).
+  np.testing.assert_allclose(p, [0.0, 0.82185427, 0.0, 0.17814573], rtol=1e-6)
+  fedia = agg.fedia()
+  left_out = np.array([0, 2])
+  state = agg.FedIAState(alpha=jnp.array([0.1, 0.2, 0.3, 0.4]))
+  out, new_state, diag = fedia.update(u, state, 0.5, 0.5)
+  np.testing.assert_array_equal(diag.excluded, [True, False, True, False])
+  np.testing.assert_array_equal(diag.weights[left_out], [0.0, 0.0])
+  np.testing.assert_allclose(jnp.sum(diag.weights), 1.0, rtol=1e-6)
+  np.testing.assert_array_equal(new_state.alpha[left_out], state.alpha[left_out])
+  assert np.all(np.isfinite(out["w"])) and np.all(np.isfinite(diag.scores))
+  # Exactly as if they had not taken part.
+  absent = jnp.array([False, True, False, True])
+  out2, state2, diag2 = fedia.update(u, state, 0.5, 0.5, participating=absent)
+  tree_equal(out, out2)
+  np.testing.assert_array_equal(new_state.alpha, state2.alpha)
+  np.testing.assert_array_equal(diag.weights, diag2.weights)
+  assert not np.any(diag2.excluded)
+  # The public weights keep the excluded clients' alpha too.
+  alpha = agg.contribution_weights(u, None, state.alpha, 0.5)
+  np.testing.assert_array_equal(alpha[left_out], state.alpha[left_out])
+  np.testing.assert_allclose(alpha[1] + alpha[3], 1.0, rtol=1e-6)

@@ -7,16 +7,18 @@ import numpy as np
 import pytest
 
 from conftest import script_main, usage_error
+from fedjax_graph import cells as cells_lib
 from fedjax_graph import config, data, diagnostics, simulation, sweep
 
 
 def test_diagnostics_do_not_change_the_trajectory(tiny_wikinet):
   cfg = config.load_preset("wikinet", hidden=8, max_buckets=1)
   federation = data.build_federation(cfg, tiny_wikinet, seeds=[0])
-  cells = sweep.grid_cells([0.4], [0.6])
-  plain = sweep.run_sweep(cfg, federation, cells, rounds=4, chunk=2, progress=False)
+  cells = cells_lib.grid("fedia", rho=[0.4], beta=[0.6])
+  controls = sweep.RunControls(chunk=2, progress=False)
+  plain = sweep.run_sweep(cfg, federation, cells, rounds=4, controls=controls)
   spec = simulation.DiagnosticsSpec(rounds=(1, 4), top=0.1)
-  observed = sweep.run_sweep(cfg, federation, cells, rounds=4, chunk=2, progress=False,
+  observed = sweep.run_sweep(cfg, federation, cells, rounds=4, controls=controls,
                              diagnostics=spec)
   assert plain.diagnostics is None
   for name in ("test_acc", "val_acc", "train_loss", "alpha", "mask_coverage"):

@@ -18,7 +18,7 @@ def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, caps
                 "--rho", "0.3,0.7", "--beta", "0.5,0.9", "--raw-dir", str(raw_dir),
                 "--cache-dir", str(prepared_cache), "--out", str(out), "--no-progress"])
   printed = capsys.readouterr().out
-  assert "best cell: rho=" in printed
+  assert "best cell on test AVG (optimistic): rho=" in printed
 
   domains = ["chameleon", "squirrel", "crocodile"]
   with open(out / "summary.csv") as f:
@@ -76,8 +76,11 @@ def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, caps
 
 @pytest.mark.parametrize("flags, message", [
     (["--rounds", "3", "--last", "5"], "last = 5"),
-    (["--rho", "0.5,1.5"], "rho = 1.5"),
-    (["--beta", "-0.1"], "beta = -0.1"),
+    (["--rho", "0.5,1.5"], "got rho=1.5"),
+    (["--beta", "-0.1"], "got beta=-0.1"),
+    (["--aggregator", "gma", "--rho", "0.5"],
+     "--rho: not a hyper-parameter of --aggregator gma, whose are tau"),
+    (["--aggregator", "krum"], "invalid choice: 'krum'"),
     (["--rounds", "0"], "rounds = 0"),
     (["--seeds", "0,0"], "seeds = [0, 0]"),
     (["--setting", "s9"], "unknown wikinet setting 's9'"),
@@ -87,3 +90,22 @@ def test_grid_rejects_bad_flags_before_any_work(flags, message, tmp_path, capsys
   argv = ["--dataset", "wikinet", "--out", str(tmp_path / "x"), *flags]
   assert message in usage_error("grid", argv, capsys)
   assert not (tmp_path / "x").exists()
+
+
+def test_grid_of_another_aggregator_on_real_wikinet(raw_dir, prepared_cache, tmp_path, capsys):
+  out = tmp_path / "gma"
+  script_main("grid")(["--dataset", "wikinet", "--aggregator", "gma", "--tau", "0.1,0.5,0.9",
+                       "--rounds", "2", "--raw-dir", str(raw_dir), "--cache-dir",
+                       str(prepared_cache), "--out", str(out), "--no-progress"])
+  assert "best cell on test AVG (optimistic): tau=" in capsys.readouterr().out
+  with open(out / "summary.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert [(r["method"], r["tau"]) for r in rows] == [
+      ("fedavg", ""), ("fedavg+gma", "0.1"), ("fedavg+gma", "0.5"), ("fedavg+gma", "0.9")]
+  history = np.load(out / "history.npz")
+  assert history["gma_test"].shape == (3, 1, 2, 3) and list(history["tau"]) == [0.1, 0.5, 0.9]
+  assert list(history["labels"]) == ["GMA τ=0.1", "GMA τ=0.5", "GMA τ=0.9", "FedAvg"]
+  with Image.open(out / "heatmap.png") as image:
+    assert image.format == "PNG"
+  record = json.loads((out / "config.json").read_text())
+  assert record["aggregator"] == "gma" and record["grid"] == {"tau": [0.1, 0.5, 0.9]}

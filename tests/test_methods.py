@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_graph import config, data, methods, models, simulation, sweep
+from fedjax_graph import cells as cells_lib
+from fedjax_graph import client, config, data, methods, models, simulation, sweep
 
 ROUNDS = 2
 
@@ -18,29 +19,49 @@ def tiny(tiny_wikinet):
   return cfg, data.build_federation(cfg, tiny_wikinet, seeds=[0])
 
 
-def _run(cfg, federation, method, hparams=None, cells=None, rounds=ROUNDS):
-  """Final SimState and metrics of a few rounds (one compiled chunk)."""
+BASE = cells_lib.Cells([cells_lib.cell("fedavg")])
+
+
+def _run(cfg, federation, method, hparams=None, cells=BASE, rounds=ROUNDS):
+  """Final SimState of the first aggregator group and the metrics of a few rounds."""
   sim = simulation.make_simulation(cfg, federation, method=method, method_hparams=hparams)
-  cells = jax.device_put(cells or sweep.make_cells([(False, 1.0, 1.0)]))
-  state = sim.init(np.array(federation.seeds, np.int32), cells)
-  return sim.run_chunk(state, np.int32(0), cells, simulation.sim_data(federation),
-                       num_rounds=rounds)
+  batch = jax.device_put(cells.batch())
+  state = sim.init(np.array(federation.seeds, np.int32), batch)
+  state, metrics = sim.run_chunk(state, np.int32(0), batch, simulation.sim_data(federation),
+                                 num_rounds=rounds)
+  return state[0], jax.tree.map(lambda m: m[:, np.argsort(cells.order())], metrics)
 
 
 def _assert_trees_equal(a, b):
   jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-def _fixed_server_inputs(sim, num_clients, seed=0):
+def _fixed_server_inputs(sim, num_clients, seed=0, aggregator="fedavg"):
   """A state after init and random client updates, for server-side checks."""
   params = sim.model.clone(propagate_train=False, propagate_eval=False).init(
       jax.random.PRNGKey(seed), jnp.zeros((1, 8)), None, train=False)
   updates = jax.tree.map(
       lambda p: jax.random.normal(jax.random.PRNGKey(seed + 1), (num_clients,) + p.shape), params)
-  state = simulation.SimState(params, simulation.aggregators.fedia().init(num_clients),
+  state = simulation.SimState(params,
+                              simulation.aggregators.get(aggregator).init(num_clients, params),
                               sim.method.init(params, num_clients), jax.random.PRNGKey(2),
                               jax.random.PRNGKey(3))
   return state, updates
+
+
+def _outputs(sim, state, updates, cfg):
+  """What the clients would send: these updates, and each client's new state from them."""
+  num_clients = jax.tree.leaves(updates)[0].shape[0]
+
+  def final(client_state, update):
+    ctx = methods.ClientContext(None, state.params, None, None, None, None, 1, None,
+                                client_state, state.method.server)
+    return sim.method.client_final(ctx, jax.tree.map(lambda w, u: w - cfg.lr * u, state.params,
+                                                     update), update)
+
+  client_state, upload = jax.vmap(final)(state.method.clients, updates)
+  return client.ClientOutput(updates, jnp.zeros((num_clients, cfg.local_steps)), client_state,
+                             upload)
 
 
 def test_fedprox_mu0_equals_fedavg_bit_for_bit(tiny):
@@ -73,7 +94,8 @@ def test_moon_local_loss_masks_padding(tiny):
   z = jax.random.normal(jax.random.PRNGKey(0), (6, 8))
   far = z.at[4:].set(-z[4:])  # padding rows disagree, but are masked out
   mask = jnp.array([True, True, True, True, False, False])
-  loss = moon.local_loss(None, z, (z, far), None, None, None, mask)
+  ctx = methods.ClientContext(None, None, None, None, mask, None, 1, None, None, None, (z, far))
+  loss = moon.local_loss(None, methods.StepOutput(z, None), ctx)
   np.testing.assert_allclose(loss, 2.0 * math.log(2), rtol=1e-6)
 
 
@@ -94,10 +116,8 @@ def test_feddyn_updates_only_participants_and_uses_total_client_count(tiny):
   num_clients = federation.num_clients
   state, updates = _fixed_server_inputs(sim, num_clients)
   sampled = jnp.arange(num_clients) < 2  # 2 of C clients take part
-  cell = jax.tree.map(lambda leaf: leaf[0], sweep.make_cells([(False, 1.0, 1.0)]))
-  losses = jnp.zeros((num_clients, cfg.local_steps))
-  new, (_, weights, _, _) = sim.aggregate(state, cell, updates, losses, jnp.ones(num_clients),
-                                         sampled)
+  new, (_, weights, _, _) = sim.aggregate(state, "fedavg", {}, _outputs(sim, state, updates, cfg),
+                                         jnp.ones(num_clients), sampled)
   alpha, lr = sim.method.hparams["alpha"], cfg.lr
   kernel = lambda tree: tree["params"]["layer_0"]["kernel"]
   grads = kernel(new.method.clients)
@@ -118,11 +138,13 @@ def test_fedopt_zero_update_leaves_the_model_unchanged(tiny, server_opt):
   fedopt = methods.make_method("fedopt", model, cfg, {"server_opt": server_opt})
   params = {"w": jnp.arange(6.0).reshape(2, 3)}
   opt_state = fedopt.init(params, 3).server
+  everyone = jnp.ones(3, bool)
   for _ in range(3):
-    new, opt_state = fedopt.server_step(params, opt_state, {"w": jnp.zeros((2, 3))}, 3.0, 3)
+    new, opt_state = fedopt.server_step(params, opt_state, {"w": jnp.zeros((2, 3))}, (),
+                                        everyone, 3)
     _assert_trees_equal(new, params)
   # A non-zero update does move it.
-  moved, _ = fedopt.server_step(params, opt_state, {"w": jnp.ones((2, 3))}, 3.0, 3)
+  moved, _ = fedopt.server_step(params, opt_state, {"w": jnp.ones((2, 3))}, (), everyone, 3)
   assert np.all(np.asarray(moved["w"]) < np.asarray(params["w"]))
 
 
@@ -146,13 +168,13 @@ def test_plus_fedia_at_rho1_beta1_equals_the_base_method_with_uniform_weights(ti
   sim = simulation.make_simulation(cfg, federation, method=method,
                                    method_hparams={"weights": "uniform"})
   num_clients = federation.num_clients
-  state, updates = _fixed_server_inputs(sim, num_clients, seed=4)
-  cells = sweep.make_cells([(False, 1.0, 1.0), (True, 1.0, 1.0)])
-  losses = jnp.zeros((num_clients, cfg.local_steps))
   counts = jnp.arange(1.0, num_clients + 1)  # uniform weights must ignore these
-  step = jax.jit(sim.aggregate)
-  base, _ = step(state, jax.tree.map(lambda l: l[0], cells), updates, losses, counts)
-  plus, _ = step(state, jax.tree.map(lambda l: l[1], cells), updates, losses, counts)
+  new = {}
+  for aggregator, hparams in (("fedavg", {}), ("fedia", {"rho": 1.0, "beta": 1.0})):
+    state, updates = _fixed_server_inputs(sim, num_clients, seed=4, aggregator=aggregator)
+    step = jax.jit(lambda s, o, a=aggregator, h=hparams: sim.aggregate(s, a, h, o, counts))
+    new[aggregator], _ = step(state, _outputs(sim, state, updates, cfg))
+  base, plus = new["fedavg"], new["fedia"]
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
   jax.tree.map(close, base.params, plus.params)
   jax.tree.map(close, base.method, plus.method)
@@ -165,7 +187,7 @@ def test_partial_participation_samples_the_same_clients_in_every_cell(tiny, tiny
   cfg, _ = tiny
   cfg = config.load_preset("wikinet", hidden=8, max_buckets=1, participation=0.5)
   federation = data.build_federation(cfg, tiny_wikinet, seeds=[0])
-  cells = sweep.grid_cells([0.5], [0.5])
+  cells = cells_lib.grid("fedia", rho=[0.5], beta=[0.5])
   _, metrics = _run(cfg, federation, "fedavg", cells=cells, rounds=4)
   taking_part = metrics.alpha[0] > 0  # [G', T, C]
   count = max(1, round(0.5 * federation.num_clients))
@@ -208,18 +230,16 @@ def test_vmapped_clients_with_method_state_equal_python_loop(shuffled_buckets, m
   clients = jax.tree.map(lambda leaf: 0.1 * jax.random.normal(jax.random.PRNGKey(7), leaf.shape),
                          state.method.clients)
   keys = simulation.client_keys(jax.random.PRNGKey(1), 0, federation.num_clients)
-  args = (federation, sim.model.propagate_train, state.params, shards, keys, clients,
-          state.method.server)
-  vmapped = jax.jit(lambda *a: simulation.client_updates(sim.local_update, *args[:2], *a))(
-      *args[2:])
-  looped = simulation.client_updates_loop(jax.jit(sim.local_update), *args)
+  run = lambda update, client_state, backend: simulation.for_each_client(
+      update, federation, sim.training_input, state.params, state.params, shards, keys,
+      client_state, state.method.server, backend=backend)
+  vmapped = jax.jit(lambda c: run(sim.local_update, c, "vmap"))(clients)
+  looped = run(jax.jit(sim.local_update), clients, "loop")
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                vmapped, looped)
-  plain = simulation.client_updates(jax.jit(sim.local_update), federation,
-                                    sim.model.propagate_train, state.params, shards, keys,
-                                    state.method.clients, state.method.server)
-  assert not np.allclose(plain[0]["params"]["layer_0"]["kernel"],
-                         vmapped[0]["params"]["layer_0"]["kernel"])  # the state matters
+  plain = run(sim.local_update, state.method.clients, "vmap")
+  assert not np.allclose(plain.update["params"]["layer_0"]["kernel"],
+                         vmapped.update["params"]["layer_0"]["kernel"])  # the state matters
 
 
 def test_effective_steps_of_momentum_sgd():
@@ -247,23 +267,24 @@ def test_a_round_nobody_takes_part_in_changes_nothing(tiny):
     state, updates = _fixed_server_inputs(sim, num_clients)
     state = state._replace(method=state.method._replace(
         server=jax.tree.map(lambda leaf: leaf + 0.5, state.method.server)))  # non-zero h, moments
-    cell = jax.tree.map(lambda leaf: leaf[0], sweep.make_cells([(False, 1.0, 1.0)]))
     updates = jax.tree.map(lambda u: u.at[0].set(jnp.nan), updates)
+    outputs = _outputs(sim, state, updates, cfg)
     sampled = jnp.arange(num_clients) == 0  # the only sampled client sends NaN
-    new, (_, _, _, nonfinite) = sim.aggregate(state, cell, updates, jnp.zeros((num_clients, 5)),
+    new, (_, _, _, nonfinite) = sim.aggregate(state, "fedavg", {}, outputs,
                                               jnp.ones(num_clients), sampled)
     _assert_trees_equal(new.params, state.params)
     _assert_trees_equal(new.method, state.method)
     np.testing.assert_array_equal(nonfinite, sampled)
     # A NaN from a client that was not sampled is not reported: it was never used.
-    _, (_, _, _, nonfinite) = sim.aggregate(state, cell, updates, jnp.zeros((num_clients, 5)),
-                                            jnp.ones(num_clients), ~sampled)
+    _, (_, _, _, nonfinite) = sim.aggregate(state, "fedavg", {}, outputs, jnp.ones(num_clients),
+                                            ~sampled)
     assert not nonfinite.any()
 
 
 def test_feddyn_stays_finite_over_many_rounds(tiny):
   cfg, federation = tiny
-  _, metrics = _run(cfg, federation, "feddyn", cells=sweep.grid_cells([0.5], [0.5]), rounds=60)
+  _, metrics = _run(cfg, federation, "feddyn", cells=cells_lib.grid("fedia", rho=[0.5], beta=[0.5]),
+                    rounds=60)
   assert np.all(np.isfinite(metrics.train_loss)) and not metrics.nonfinite.any()
 
 
@@ -280,10 +301,10 @@ def test_make_method_rejects_bad_names_and_values(tiny):
     methods.make_method("fedopt", model, cfg, {"server_opt": "sgd"})
   with pytest.raises(ValueError, match="weights = 'size'"):
     methods.make_method("feddyn", model, cfg, {"weights": "size"})
-  with pytest.raises(ValueError, match=r"participation = 0; must be in \(0, 1\]"):
+  with pytest.raises(ValueError, match=r"participation = 0.0; must be in \(0, 1\]"):
     config.load_preset("wikinet", participation=0)
-  with pytest.raises(ValueError, match="CAM .* is only run with the mask"):
-    sweep.make_cells([(False, 1.0, 0.5, True)])
+  with pytest.raises(ValueError, match="fedia_im: unknown hyper-parameter"):
+    cells_lib.cell("fedia_im", rho=0.5, beta=0.5)
 
 
 def test_defaults_file_names_known_methods_and_hparams(tiny):
@@ -294,3 +315,44 @@ def test_defaults_file_names_known_methods_and_hparams(tiny):
     assert methods.make_method(name, model, cfg, hparams).name == name
   for setting, table in defaults["fedia"]["twitch"].items():
     assert set(table) <= set(methods.METHODS), setting
+
+
+def class_counts(model, config):
+  """A test method: each client uploads its per-class training-node counts; the server sums them."""
+  from fedjax_graph.methods import base
+
+  num_classes = model.num_classes
+
+  def init(params, num_clients):
+    return base.MethodState(clients=(), server=jnp.zeros(num_classes))
+
+  def client_final(ctx, params, update):
+    one_hot = jax.nn.one_hot(ctx.y, num_classes) * ctx.train_mask[:, None]
+    return ctx.client_state, jnp.sum(one_hot, axis=0)  # upload f32[K]
+
+  def server_step(params, total, update, uploads, participating, num_clients):
+    params, _ = base.descent_step(config)(params, (), update, uploads, participating,
+                                          num_clients)
+    return params, total + jnp.sum(jnp.where(participating[:, None], uploads, 0.0), axis=0)
+
+  return base.Method("class_counts", {}, False, init, base.nothing, base.no_loss, client_final,
+                     server_step)
+
+
+def test_uploads_reach_the_server_stacked_by_client(tiny_wikinet):
+  if "class_counts" not in methods.REGISTRY:
+    methods.register("class_counts", class_counts)
+  cfg = config.load_preset("wikinet", hidden=8, max_buckets=2, participation=0.5)
+  federation = data.build_federation(cfg, tiny_wikinet, seeds=[0])
+  state, metrics = _run(cfg, federation, "class_counts", rounds=3)
+  # By hand: each client's training labels, summed over the clients sampled in each round.
+  per_client = np.zeros((federation.num_clients, federation.num_classes))
+  for clients, shard in zip(federation.bucket_clients, federation.client_shards):
+    for j, k in enumerate(clients):
+      labels = shard.y[0, j][shard.train[0, j]]
+      per_client[k] = np.bincount(labels, minlength=federation.num_classes)
+  sampled = np.asarray(metrics.alpha[0, 0]) > 0  # [T, C]
+  assert sampled.sum(-1).tolist() == [3, 3, 3] and len({r.tobytes() for r in sampled}) > 1
+  np.testing.assert_allclose(state.method.server[0, 0], (sampled @ per_client).sum(0))
+  with pytest.raises(ValueError, match="registered already"):
+    methods.register("class_counts", class_counts)

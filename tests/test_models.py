@@ -65,13 +65,13 @@ class TestMakeModel:
   @pytest.mark.parametrize("name", sorted(models.BACKBONES))
   def test_flags(self, name):
     model = models.make_model(name, num_classes=K, hidden=HIDDEN, num_layers=2, dropout=0.1)
-    assert (model.propagate_train, model.propagate_eval) == models.BACKBONES[name]
+    assert (model.propagate_train, model.propagate_eval) == models.BACKBONES[name][:2]
     assert (model.num_classes, model.hidden, model.num_layers, model.dropout) == (K, HIDDEN, 2,
                                                                                   0.1)
 
   def test_backbones_table(self):
-    assert models.BACKBONES == {"mlp": (False, False), "gcn": (True, True),
-                                "pmlp_gcn": (False, True)}
+    assert models.BACKBONES == {"mlp": (False, False, "rows"), "gcn": (True, True, "graph"),
+                                "pmlp_gcn": (False, True, "rows")}
 
   def test_unknown_name_raises(self):
     with pytest.raises(ValueError) as err:

@@ -7,7 +7,11 @@ import numpy as np
 import pytest
 
 from conftest import fake_domain
+from fedjax_graph import cells as cells_lib
 from fedjax_graph import config, data, methods, models, references, simulation, sweep
+
+QUIET = sweep.RunControls(progress=False)
+BASE = cells_lib.Cells([cells_lib.cell("fedavg")])
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +65,10 @@ def test_majority_counts_training_nodes_only_and_a_tie_goes_to_the_lower_class()
 def test_local_equals_each_client_training_alone(cfg, skewed, backbone):
   cfg = config.load_preset("wikinet", hidden=8, max_buckets=2, backbone=backbone)
   federation = data.build_federation(cfg, skewed, seeds=[3])
-  cells = sweep.make_cells([(False, 1.0, 1.0)])
   rounds = 3
-  history = sweep.run_sweep(cfg, federation, cells, rounds, progress=False, method="local")
+  history = sweep.run_sweep(cfg, federation, BASE, rounds, QUIET, method="local")
   sim = simulation.make_simulation(cfg, federation, method="local")
-  state = sim.init(np.asarray(federation.seeds, np.int32), jax.device_put(cells))
+  state = sim.init(np.asarray(federation.seeds, np.int32), jax.device_put(BASE.batch()))[0]
   init, run_key = jax.tree.map(lambda leaf: leaf[0, 0], (state.params, state.key))
   local_update = jax.jit(sim.local_update)
   model = sim.model
@@ -77,8 +80,7 @@ def test_local_equals_each_client_training_alone(cfg, skewed, backbone):
       params = init
       for t in range(rounds):
         key = simulation.client_keys(run_key, t, federation.num_clients)[k]
-        update, _ = local_update(params, *simulation.training_input(one, rows, model.propagate_train),
-                                 key)
+        update = local_update(params, params, *sim.training_input(one, rows), key).update
         params = jax.tree.map(lambda w, u: w - cfg.lr * u, params, update)
       pred = np.asarray(models.predict(model, params, federation.eval_x, federation.eval_graph,
                                        federation.eval_domain, len(federation.domains)))
@@ -127,15 +129,14 @@ def test_pooled_federation_is_one_client_with_every_clients_nodes_and_edges(cfg,
 
 def test_centralized_one_round_is_full_batch_training_on_the_union(cfg, skewed):
   pooled = data.build_federation(cfg, skewed, seeds=[0], pooled=True)
-  cells = sweep.make_cells([(False, 1.0, 1.0)])
-  history = sweep.run_sweep(cfg, pooled, cells, rounds=1, progress=False)
+  history = sweep.run_sweep(cfg, pooled, BASE, rounds=1, controls=QUIET)
   sim = simulation.make_simulation(cfg, pooled)
-  state = sim.init(np.asarray([0], np.int32), jax.device_put(cells))
+  state = sim.init(np.asarray([0], np.int32), jax.device_put(BASE.batch()))[0]
   params, run_key = jax.tree.map(lambda leaf: leaf[0, 0], (state.params, state.key))
   one = jax.tree.map(lambda leaf: leaf[0, 0], pooled.client_shards[0])
   key = simulation.client_keys(run_key, 0, 1)[0]
-  update, losses = sim.local_update(
-      params, *simulation.training_input(one, pooled.bucket_train_rows[0], False), key)
+  update, losses, _, _ = sim.local_update(
+      params, params, *sim.training_input(one, pooled.bucket_train_rows[0]), key)
   np.testing.assert_allclose(history.train_loss[0, 0, 0], losses[-1], rtol=1e-5)
   trained = jax.tree.map(lambda w, u: w - cfg.lr * u, params, update)
   pred = models.predict(sim.model, trained, pooled.eval_x, pooled.eval_graph,

@@ -38,8 +38,8 @@ def _runs(acc, classes=None, loss=None):
 
 
 def _summarize(fedavg_acc, fedia_acc, rho, beta, domains=DOMAINS, last=2, **kwargs):
-  return report.summarize(_runs(fedavg_acc), _runs(fedia_acc), rho, beta, domains, last,
-                          **kwargs)
+  return report.summarize(_runs(fedavg_acc), _runs(fedia_acc), {"rho": rho, "beta": beta},
+                          domains, last, **kwargs)
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def test_columns_in_exact_order(rows_one_seed):
   assert expected[3:9] == ["cora_mean", "cora_std", "dblp_mean", "dblp_std", "avg_mean",
                            "avg_std"]
   assert expected[9:11] == ["cora_bacc_mean", "cora_bacc_std"]
-  assert report.summary_columns(DOMAINS) == expected
+  assert report.summary_columns(DOMAINS, ("rho", "beta")) == expected
   for row in rows_one_seed:
     assert list(row) == expected
 
@@ -99,8 +99,8 @@ def test_new_columns_three_paired_seeds_by_hand():
   classes[2, 1, 0] = 1
   loss = np.array([[1.0, 0.5], [1.0, 0.7], [1.0, 1.3]])
   cell = report.Runs(acc, np.full((3, 2, 2), 0.45), np.full((3, 2, 2), 0.3), classes, loss)
-  rows = report.summarize(fedavg, report.Runs(*(x[None] for x in cell)), [0.3], [0.5], DOMAINS,
-                          last=2, skipped=[0, 4])
+  rows = report.summarize(fedavg, report.Runs(*(x[None] for x in cell)),
+                          {"rho": [0.3], "beta": [0.5]}, DOMAINS, last=2, skipped=[0, 4])
   expected = {
       "method": "fedavg+fedia", "rho": 0.3, "beta": 0.5,
       "cora_mean": 54.0, "cora_std": math.sqrt(8 / 3),  # 52, 54, 56 (ddof=0)
@@ -118,7 +118,8 @@ def test_new_columns_three_paired_seeds_by_hand():
     assert rows[1][key] == (pytest.approx(value, rel=1e-6, abs=1e-9)
                             if isinstance(value, float) else value), key
   # Counted over the last round only, seed 2's cora joins in.
-  assert report.summarize(fedavg, report.Runs(*(x[None] for x in cell)), [0.3], [0.5], DOMAINS,
+  assert report.summarize(fedavg, report.Runs(*(x[None] for x in cell)),
+                          {"rho": [0.3], "beta": [0.5]}, DOMAINS,
                           last=1)[1]["constant_domains"] == 2
   base = rows[0]
   assert (base["delta_avg"], base["delta_avg_ci"], base["delta_bacc"]) == (0.0, "", 0.0)
@@ -201,20 +202,24 @@ def test_last_out_of_range_names_value(last):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(fedia=_runs(np.zeros((2, 1, 3, 2)))), "does not match"),
-    (dict(fedavg=_runs(np.zeros((4, 2)))), r"\[S, T, D\]"),
-    (dict(fedavg=_runs(_fedavg_one_seed())._replace(train_loss=np.zeros((1, 3)))),
-     r"fedavg.train_loss has shape \(1, 3\); expected \(1, 4\)"),
-    (dict(fedia=_runs(_fedia_two_cells())._replace(bacc=np.zeros((2, 1, 4, 1)))),
-     "fedia.bacc has shape"),
-    (dict(rho=[0.5]), "rho shape"),
+    (dict(cells=_runs(np.zeros((2, 1, 3, 2)))), "does not match"),
+    (dict(base=_runs(np.zeros((4, 2)))), r"\[S, T, D\]"),
+    (dict(base=_runs(_fedavg_one_seed())._replace(train_loss=np.zeros((1, 3)))),
+     r"base.train_loss has shape \(1, 3\); expected \(1, 4\)"),
+    (dict(cells=_runs(_fedia_two_cells())._replace(bacc=np.zeros((2, 1, 4, 1)))),
+     "cells.bacc has shape"),
+    (dict(hparams={"rho": [0.5], "beta": [1.0, 2.0]}),
+     r"'rho' has shape \(1,\); expected \(G,\)=\(2,\)"),
+    (dict(hparams={"avg_mean": [0.5, 0.5]}), r"\['avg_mean'\] clash"),
+    (dict(hparams={"x_mean": [0.5, 0.5]}), "clash"),
+    (dict(cell_method="fedavg"), "both 'fedavg'"),
     (dict(domains=["cora"]), "domain names"),
     (dict(domains=["cora", "cora"]), "unique"),
     (dict(domains=["cora", "avg"]), "unique"),
 ])
 def test_shape_and_domain_mismatch_raise(kwargs, match):
-  args = dict(fedavg=_runs(_fedavg_one_seed()), fedia=_runs(_fedia_two_cells()),
-              rho=[0.5, 0.5], beta=[1.0, 2.0], domains=DOMAINS, last=2)
+  args = dict(base=_runs(_fedavg_one_seed()), cells=_runs(_fedia_two_cells()),
+              hparams={"rho": [0.5, 0.5], "beta": [1.0, 2.0]}, domains=DOMAINS, last=2)
   args.update(kwargs)
   with pytest.raises(ValueError, match=match):
     report.summarize(**args)
@@ -227,14 +232,21 @@ def test_constant_warnings_name_seed_run_and_domains():
   fedia_classes[1, 0, 2:] = 1  # cell 1, seed 7: both domains
   fedia_classes[0, 1, 3, 1] = 1  # constant in one final round only: not reported
   acc = np.full((2, 4, 2), 0.5)
+  labels = [f"FedIA {report.format_hparams({'rho': 0.5, 'beta': b})}" for b in (1.0, 2.0)]
   lines = report.constant_warnings(_runs(acc, fedavg_classes),
                                    _runs(np.stack([acc, acc]), fedia_classes),
-                                   [0.5, 0.5], [1.0, 2.0], DOMAINS, last=2, seeds=[7, 8])
+                                   labels, DOMAINS, last=2, seeds=[7, 8])
   assert lines == [
-      "seed 7, FedIA rho=0.5, beta=2: constant prediction on cora, dblp through the last 2 rounds",
+      "seed 7, FedIA ρ=0.5, β=2: constant prediction on cora, dblp through the last 2 rounds",
       "seed 8, FedAvg: constant prediction on cora through the last 2 rounds"]
-  assert report.constant_warnings(_runs(acc), _runs(np.stack([acc, acc])), [0.5, 0.5],
-                                  [1.0, 2.0], DOMAINS, last=2) == []
+  assert report.constant_warnings(_runs(acc, fedavg_classes), _runs(np.stack([acc, acc])),
+                                  ["a", "b"], DOMAINS, last=2, seeds=[7, 8],
+                                  base_label="FedProx") == [
+      "seed 8, FedProx: constant prediction on cora through the last 2 rounds"]
+  assert report.constant_warnings(_runs(acc), _runs(np.stack([acc, acc])), labels,
+                                  DOMAINS, last=2) == []
+  with pytest.raises(ValueError, match="got 1 labels for G=2 cells"):
+    report.constant_warnings(_runs(acc), _runs(np.stack([acc, acc])), ["a"], DOMAINS, last=2)
 
 
 # ----------------------------------------------------------------- selection
@@ -298,7 +310,7 @@ def test_csv_round_trip(tmp_path, rows_one_seed):
   _assert_no_temp_files(tmp_path, ["summary.csv"])
   with open(path, newline="") as f:
     reader = csv.DictReader(f)
-    assert reader.fieldnames == report.summary_columns(DOMAINS)
+    assert reader.fieldnames == report.summary_columns(DOMAINS, ("rho", "beta"))
     back = list(reader)
   assert len(back) == 3
   assert back[0]["method"] == "fedavg"
@@ -315,6 +327,27 @@ def test_csv_round_trip(tmp_path, rows_one_seed):
   # ρ/β must survive exactly, not as 0.0000.
   assert float(back[2]["rho"]) == 1e-5
   assert float(back[2]["beta"]) == 2.0
+
+
+def test_fedia_csv_is_unchanged_byte_for_byte(tmp_path, rows_one_seed):
+  # The values of test_single_seed_means_std_over_rounds_and_delta; balanced accuracy and F1
+  # equal accuracy (``_runs``), the loss is flat.
+  stats = lambda metric: ",".join(f"{d}{metric}_{s}" for d in DOMAINS + ["avg"]
+                                  for s in ("mean", "std"))
+  header = (f"method,rho,beta,{stats('')},{stats('_bacc')},{stats('_f1')},std_over,delta_avg,"
+            "delta_avg_ci,delta_bacc,constant_domains,train_loss_slope,skipped_updates")
+  tail = ",rounds,{0},{1},{0},0,0.0000e+00,0"
+  expected = [
+      header,
+      "fedavg,,," + "60.0000,10.0000,70.0000,10.0000,65.0000,10.0000," * 2
+      + "60.0000,10.0000,70.0000,10.0000,65.0000,10.0000" + tail.format("0.0000", ""),
+      "fedavg+fedia,0.5,1.0," + "70.0000,10.0000,70.0000,0.0000,70.0000,5.0000," * 2
+      + "70.0000,10.0000,70.0000,0.0000,70.0000,5.0000" + tail.format("5.0000", "nan"),
+      "fedavg+fedia,0.5,2.0," + "40.0000,0.0000,50.0000,0.0000,45.0000,0.0000," * 2
+      + "40.0000,0.0000,50.0000,0.0000,45.0000,0.0000" + tail.format("-20.0000", "nan")]
+  report.write_summary_csv(rows_one_seed, tmp_path / "summary.csv")
+  assert (tmp_path / "summary.csv").read_bytes() == "".join(
+      f"{line}\r\n" for line in expected).encode()
 
 
 def test_csv_overwrites_atomically(tmp_path, rows_one_seed):
@@ -417,13 +450,17 @@ def test_heatmap_marks_paired_intervals_and_constant_cells(tmp_path):
   fedia[3] += np.array([-0.03, 0.0, 0.03])[:, None, None]  # +1 on average, hw 4.30 * 3/√3 = 7.45
   classes = np.full(fedia.shape, 2)
   classes[1, 2, :, 1] = 1  # cell (0.1, 2), seed 2: dblp constant
-  rows = report.summarize(_runs(fedavg), _runs(fedia, classes), rho, beta, DOMAINS, last=2)
+  rows = report.summarize(_runs(fedavg), _runs(fedia, classes), {"rho": rho, "beta": beta},
+                          DOMAINS, last=2)
   assert rows[4]["delta_avg"] == pytest.approx(1.0) and rows[4]["delta_avg_ci"] == pytest.approx(
       4.302653 * 3 / math.sqrt(3), rel=1e-5)
   grid = report.plot_heatmap(rows, tmp_path / "heat.png", title="marks")
   np.testing.assert_array_equal(grid.significant, [[False, False], [True, False]])
   np.testing.assert_array_equal(grid.constant, [[False, True], [False, False]])
   np.testing.assert_allclose(grid.delta, [[0.0, 0.0], [1.0, 1.0]], atol=1e-9)
+  assert (grid.row_name, grid.col_name) == ("rho", "beta")
+  np.testing.assert_array_equal(grid.row_values, [0.1, 0.5])
+  np.testing.assert_array_equal(grid.col_values, [0.5, 2.0])
   _assert_png(tmp_path / "heat.png")
   labels = report.plot_curves(fedavg, fedia, rows, tmp_path / "curves.png", "t", last=2)
   assert labels == ["FedAvg", "FedAvg+FedIA (ρ=0.5, β=0.5)"]
@@ -438,7 +475,8 @@ def test_curves_say_when_a_plotted_run_ends_constant(tmp_path):
   fedavg, fedia, rho, beta = _grid([0.1], [0.5, 2.0], lambda r, b: 0.01 * b)
   classes = np.full(fedia.shape, 2)
   classes[1, 0, :, :] = 1  # the best cell (β=2) predicts one class on both domains
-  rows = report.summarize(_runs(fedavg), _runs(fedia, classes), rho, beta, DOMAINS, last=2)
+  rows = report.summarize(_runs(fedavg), _runs(fedia, classes), {"rho": rho, "beta": beta},
+                          DOMAINS, last=2)
   labels = report.plot_curves(fedavg, fedia, rows, tmp_path / "c.png", "t", last=2)
   assert labels == ["FedAvg",
                     "FedAvg+FedIA (ρ=0.1, β=2): constant on 2 (seed, domain) pair(s)"]
@@ -472,3 +510,80 @@ def test_skipped_updates_column_counts_per_method():
   assert all(r["skipped_updates"] == 0 for r in _summarize(*args))
   with pytest.raises(ValueError, match="skipped has shape"):
     _summarize(*args, skipped=[1, 2])
+
+
+# ----------------------------------------------------------------- one hyper-parameter (GMA's τ)
+
+
+def _tau_rows(classes=None):
+  """GMA cells τ = 0.1, 0.3, 1e-5 (unsorted) on 3 seeds: ΔAVG +1 in every seed, 0, -1."""
+  fedavg, fedia, _, _ = _grid([0.0], [0.0], lambda r, b: 0.0, seeds=3)
+  cells = np.stack([fedavg + 0.01, fedavg, fedavg - 0.01])
+  rows = report.summarize(_runs(fedavg), _runs(cells, classes), {"tau": [0.1, 0.3, 1e-5]},
+                          DOMAINS, last=2, cell_method="fedavg+gma")
+  return fedavg, cells, rows
+
+
+def test_one_hyperparameter_summary_table_and_csv(tmp_path):
+  _, _, rows = _tau_rows()
+  assert report.summary_columns(DOMAINS, ["tau"])[:3] == ["method", "tau", "cora_mean"]
+  assert all(list(r) == report.summary_columns(DOMAINS, ["tau"]) for r in rows)
+  assert [(r["method"], r["tau"]) for r in rows] == [
+      ("fedavg", ""), ("fedavg+gma", 0.1), ("fedavg+gma", 0.3), ("fedavg+gma", 1e-5)]
+  assert [r["delta_avg"] for r in rows] == pytest.approx([0.0, 1.0, 0.0, -1.0], abs=1e-9)
+  assert report.hparam_names(rows[0]) == ["tau"]
+  assert report.best_cell(rows) is rows[1]
+
+  lines = report.format_table(rows).splitlines()
+  assert lines[0].split() == ["method", "τ", "cora", "dblp", "AVG", "ΔAVG"]
+  assert lines[2].split()[:2] == ["fedavg", "68.33"]  # cora .6 + (.0667, .1)
+  assert lines[5].split()[:2] == ["fedavg+gma", "1e-05"]
+
+  report.write_summary_csv(rows, tmp_path / "summary.csv")
+  text = (tmp_path / "summary.csv").read_text()
+  assert text.startswith("method,tau,cora_mean,")
+  assert "\nfedavg+gma,1e-05,67.3333," in text  # the exact repr, not 0.0000
+  with open(tmp_path / "summary.csv", newline="") as f:
+    assert [r["tau"] for r in csv.DictReader(f)] == ["", "0.1", "0.3", "1e-05"]
+
+
+def test_one_hyperparameter_heatmap_is_one_row_and_curves_name_it(tmp_path):
+  classes = np.full((3, 3, 4, 2), 2)
+  classes[2, 1, :, 0] = 1  # τ=1e-5, seed 1: cora constant
+  fedavg, cells, rows = _tau_rows(classes)
+  grid = report.plot_heatmap(rows, tmp_path / "heat.png", title="gma")
+  assert (grid.row_name, grid.col_name, grid.row_values.size) == (None, "tau", 0)
+  np.testing.assert_array_equal(grid.col_values, [1e-5, 0.1, 0.3])
+  np.testing.assert_allclose(grid.delta, [[-1.0, 1.0, 0.0]], atol=1e-9)
+  assert grid.present.shape == (1, 3) and grid.present.all()
+  # ±1 in every seed has sd 0: significant; 0 never is.
+  np.testing.assert_array_equal(grid.significant, [[True, True, False]])
+  np.testing.assert_array_equal(grid.constant, [[True, False, False]])
+  _assert_png(tmp_path / "heat.png")
+  labels = report.plot_curves(fedavg, cells, rows, tmp_path / "curves.png", "gma", last=2)
+  assert labels == ["FedAvg", "FedAvg+GMA (τ=0.1)"]
+  _assert_no_temp_files(tmp_path, ["heat.png", "curves.png"])
+
+
+def test_two_hyperparameters_of_another_method_and_a_heatmap_needs_one_or_two(tmp_path):
+  fedavg, fedia, rho, beta = _grid([0.1, 0.5], [0.3], lambda r, b: 0.01 * r)
+  fedheal = lambda hparams: report.summarize(
+      _runs(fedavg), _runs(fedia), hparams, DOMAINS, last=2, cell_method="fedavg+fedheal")
+  rows = fedheal({"tau": rho, "beta": beta})
+  grid = report.plot_heatmap(rows, tmp_path / "heat.png")
+  assert (grid.row_name, grid.col_name, grid.delta.shape) == ("tau", "beta", (2, 1))
+  assert report.format_table(rows).splitlines()[0].split()[:3] == ["method", "τ", "β"]
+  assert report.plot_curves(fedavg, fedia, rows, tmp_path / "c.png", "t")[1] == (
+      "FedAvg+FedHEAL (τ=0.5, β=0.3)")
+  for hparams in ({}, {"tau": rho, "beta": beta, "eta": rho}):
+    with pytest.raises(ValueError, match="one or two hyper-parameters"):
+      report.plot_heatmap(fedheal(hparams), tmp_path / "x.png")
+  _assert_no_temp_files(tmp_path, ["heat.png", "c.png"])
+
+
+def test_display_names_mirror_the_aggregator_registry():
+  from fedjax_graph import aggregators  # jax: here, not in report
+  assert {name: report.display_name(name) for name in aggregators.DISPLAY} == dict(
+      aggregators.DISPLAY)
+  assert report.display_name("fedavg+gma") == "FedAvg+GMA"
+  assert report.display_name("fedprox+x") == "fedprox+x"

@@ -3,12 +3,14 @@
 import csv
 import json
 
+import jax
 import numpy as np
 import pytest
 from PIL import Image
 
 from conftest import script_main, usage_error
 from fedjax_graph import analysis, comparison, config, sweep, tables
+from fedjax_graph.controls import RunControls
 
 
 def test_table_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, capsys):
@@ -25,8 +27,10 @@ def test_table_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, cap
                                          "Majority", "Local", "Centralized"]
   assert [r["variant"] for r in rows[4:]] == ["reference"] * 3
   assert all(r["status"] == "ok" for r in rows)
-  # The majority row predicts one class per domain in both seeds, and is still shown.
-  assert [rows[4][f"{d}_constant"] for d in ("chameleon", "squirrel", "crocodile")] == ["2"] * 3
+  # The majority row is shown (never NC) and not flagged constant: it is constant by design.
+  assert [rows[4][f"{d}_constant"] for d in ("chameleon", "squirrel", "crocodile")] == ["0"] * 3
+  run = comparison.load_run(out / "runs" / "majority.npz")
+  assert (run.predicted_classes == 1).all()
   for r in rows[4:]:
     assert r["AVG_delta_base"] == "" and float(r["delta_fedavg"]) == pytest.approx(
         float(r["AVG_mean"]) - float(rows[0]["AVG_mean"]), abs=1e-3)
@@ -41,7 +45,8 @@ def test_table_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, cap
   assert "FedDyn+FedIA" in (out / "table.md").read_text()
   assert Image.open(out / "table.png").size[0] > 100
   record = json.loads((out / "config.json").read_text())
-  assert record["status"] == "finished" and record["fedia_selected"]["feddyn"] == [0.5, 0.5]
+  assert record["status"] == "finished"
+  assert record["selected"]["feddyn"]["fedia"] == {"rho": 0.5, "beta": 0.5}
   assert record["hparams"]["feddyn"]["alpha"] == 0.01
   run = comparison.load_run(out / "runs" / "feddyn.npz")
   assert run.test_acc.shape == (2, 2, 2, 3)  # [S, G', T, D]
@@ -67,41 +72,72 @@ def tiny_config():
 def test_table_resume_equals_uninterrupted(tiny_config, tiny_wikinet, tmp_path, monkeypatch):
   from test_reliability import Interrupt, _interrupting
 
-  kwargs = dict(method_names=["fedavg", "scaffold"], seeds=[0], rounds=4, last=2, chunk=1,
-                progress=False, domain_graphs=tiny_wikinet)
-  whole = comparison.run_table(tiny_config, out_dir=tmp_path / "whole", **kwargs)
+  controls = RunControls(chunk=1, progress=False)
+  run = lambda out, **kw: comparison.run_table(
+      tiny_config, ["fedavg", "scaffold"], [0], 4, 2, controls=controls.replace(out_dir=out, **kw),
+      domain_graphs=tiny_wikinet)
+  whole = run(tmp_path / "whole")
   real = sweep.make_simulation
   cut = lambda *a: _interrupting(real(*a), 2) if a[3] == "scaffold" else real(*a)
   monkeypatch.setattr(sweep, "make_simulation", cut)
   with pytest.raises(Interrupt):
-    comparison.run_table(tiny_config, out_dir=tmp_path / "cut", **kwargs)
+    run(tmp_path / "cut")
   monkeypatch.setattr(sweep, "make_simulation", real)
   assert (tmp_path / "cut" / "runs" / "fedavg.npz").exists()
   assert (tmp_path / "cut" / "checkpoint-scaffold.msgpack").exists()
   with pytest.raises(ValueError, match="unfinished run; continue it with --resume"):
-    comparison.run_table(tiny_config, out_dir=tmp_path / "cut", **kwargs)
-  comparison.resume_table(tmp_path / "cut", domain_graphs=tiny_wikinet, progress=False)
+    run(tmp_path / "cut")
+  comparison.resume_table(tmp_path / "cut", controls, domain_graphs=tiny_wikinet)
   for name in ("fedavg", "scaffold"):
     a = comparison.load_run(whole / "runs" / f"{name}.npz")
     b = comparison.load_run(tmp_path / "cut" / "runs" / f"{name}.npz")
     for field in tables.RunResult._fields[:-1]:  # all but the wall time
-      np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+      jax.tree.map(np.testing.assert_array_equal, getattr(a, field), getattr(b, field))
   assert (whole / "table.csv").read_text() == (tmp_path / "cut" / "table.csv").read_text()
   with pytest.raises(ValueError, match="finished run; pass --overwrite"):
-    comparison.run_table(tiny_config, out_dir=whole, **kwargs)
-  comparison.run_table(tiny_config, out_dir=whole, overwrite=True, **kwargs)
+    run(whole)
+  run(whole, overwrite=True)
 
 
-def test_select_val_reports_the_best_validation_cell(tiny_config, tiny_wikinet, tmp_path):
-  out = comparison.run_table(tiny_config, ["fedprox"], [0, 1], rounds=2, last=1, select="val",
-                             out_dir=tmp_path / "val", progress=False,
-                             domain_graphs=tiny_wikinet)
+def test_select_val_reports_the_best_validation_cell_and_resumes(tiny_config, tiny_wikinet,
+                                                                  tmp_path):
+  controls = RunControls(progress=False, out_dir=tmp_path / "val")
+  out = comparison.run_table(tiny_config, ["fedprox"], [0, 1], 2, 1, "val", ["fedia", "gma"],
+                             controls=controls, domain_graphs=tiny_wikinet)
   run = comparison.load_run(out / "runs" / "fedprox.npz")
-  assert run.test_acc.shape[1] == 26  # the 5x5 grid and the base method, one sweep
-  val_avg = [analysis.final_rounds(run.val_acc[:, g], 1)[:, -1].mean() for g in range(25)]
-  best = int(np.argmax(val_avg))
+  assert run.test_acc.shape[1] == 31  # the 5x5 FedIA grid, 5 GMA taus, the base: one sweep
+  assert list(run.aggregators).count("fedia") == 25 and list(run.aggregators).count("gma") == 5
+  fedia = np.flatnonzero(run.aggregators == "fedia")
+  val_avg = [analysis.final_rounds(run.val_acc[:, g], 1)[:, -1].mean() for g in fedia]
+  best = fedia[int(np.argmax(val_avg))]
   record = json.loads((out / "config.json").read_text())
-  assert record["fedia_selected"]["fedprox"] == pytest.approx([run.rho[best], run.beta[best]])
+  assert record["selected"]["fedprox"]["fedia"] == pytest.approx(
+      {"rho": run.hparams["rho"][best], "beta": run.hparams["beta"][best]})
+  assert set(record["selected"]["fedprox"]["gma"]) == {"tau"}
+  assert (out / "heatmap-fedprox.png").exists()
+  # An interrupted --select val table continues (its config.json has no fixed settings).
+  (out / "table.md").unlink()
+  (out / "runs" / "fedprox.npz").unlink()
+  comparison.resume_table(out, RunControls(progress=False), domain_graphs=tiny_wikinet)
+  again = comparison.load_run(out / "runs" / "fedprox.npz")
+  np.testing.assert_array_equal(again.test_acc, run.test_acc)
+
+
+def test_a_table_puts_each_aggregator_in_a_row_of_its_own(tiny_config, tiny_wikinet, tmp_path):
+  out = comparison.run_table(tiny_config, ["fedavg", "feddyn"], [0], 2, 1,
+                             aggregators=["fedia", "gma", "fedheal"],
+                             controls=RunControls(progress=False, out_dir=tmp_path / "agg"),
+                             domain_graphs=tiny_wikinet)
+  with open(out / "table.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert [r["method"] for r in rows] == [
+      "FedAvg", "FedAvg+FedIA", "FedAvg+GMA", "FedAvg+FedHEAL",
+      "FedDyn", "FedDyn+FedIA", "FedDyn+GMA", "FedDyn+FedHEAL"]
+  assert [(r["rho"], r["beta"], r["tau"]) for r in rows[:4]] == [
+      ("", "", ""), ("0.5", "0.5", ""), ("", "", "0.1"), ("", "0.4", "0.3")]
+  assert rows[6]["AVG_delta_base"] != "" and rows[2]["delta_fedavg"] != ""
+  run = comparison.load_run(out / "runs" / "feddyn.npz")
+  assert list(run.labels) == ["FedDyn+FedIA", "FedDyn+GMA", "FedDyn+FedHEAL", "FedDyn"]
 
 
 def test_ablation_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, capsys):
@@ -113,11 +149,12 @@ def test_ablation_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, 
     rows = list(csv.DictReader(f))
   assert [r["method"] for r in rows] == [
       "default:FedAvg", "default:FedAvg+IM", "default:FedAvg+IM+CAM"]
-  assert [r["variant"] for r in rows] == ["base", "+IM", "+FedIA"]
+  assert [r["variant"] for r in rows] == ["base", "+fedia_im", "+fedia"]
   assert (rows[1]["rho"], rows[1]["beta"], rows[2]["beta"]) == ("0.5", "", "0.5")
   run = comparison.load_run(out / "runs" / "default.npz")
   # IM only weighs clients by training-node counts, like FedAvg; CAM does not.
-  np.testing.assert_allclose(run.alpha[:, 0], run.alpha[:, 2], rtol=1e-5)
+  assert list(run.labels) == ["FedAvg", "FedAvg+IM", "FedAvg+IM+CAM"]
+  np.testing.assert_allclose(run.alpha[:, 1], run.alpha[:, 0], rtol=1e-5)
   assert not np.allclose(run.alpha[:, 1, -1], run.alpha[:, 2, -1])
   assert "FedAvg+IM+CAM" in (out / "table.md").read_text()
 
@@ -125,17 +162,17 @@ def test_ablation_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, 
 def test_overwrite_removes_only_its_own_files_and_only_after_the_data_loads(
     tiny_config, tiny_wikinet, tmp_path, capsys):
   out = tmp_path / "paper"
-  kwargs = dict(method_names=["fedavg"], seeds=[0], rounds=1, last=1, progress=False)
-  comparison.run_table(tiny_config, out_dir=out, domain_graphs=tiny_wikinet, **kwargs)
+  run = lambda **kw: comparison.run_table(tiny_config, ["fedavg"], [0], 1, 1, controls=RunControls(
+      progress=False, out_dir=out, **{k: v for k, v in kw.items() if k != "domain_graphs"}),
+      domain_graphs=kw.get("domain_graphs"))
+  run(domain_graphs=tiny_wikinet)
   (out / "table_notes.txt").write_text("mine")
   (out / "runs" / "keep.npz").write_bytes(b"mine")
   # The data cannot load: nothing is removed.
   with pytest.raises(OSError):
-    comparison.run_table(tiny_config, out_dir=out, overwrite=True,
-                         raw_dir=tmp_path / "missing", cache_dir=tmp_path / "cache", **kwargs)
+    run(overwrite=True, raw_dir=tmp_path / "missing", cache_dir=tmp_path / "cache")
   assert (out / "table.md").exists() and (out / "runs" / "fedavg.npz").exists()
-  comparison.run_table(tiny_config, out_dir=out, overwrite=True, domain_graphs=tiny_wikinet,
-                       **kwargs)
+  run(overwrite=True, domain_graphs=tiny_wikinet)
   assert (out / "table_notes.txt").read_text() == "mine"
   assert (out / "runs" / "keep.npz").read_bytes() == b"mine"
 

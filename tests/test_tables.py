@@ -17,17 +17,24 @@ def _result(test_acc, val_acc=None, classes=None, bacc=None, loss=None, fedia=(T
   test_acc = np.asarray(test_acc, np.float32)
   s, g, t, d = test_acc.shape
   as_f32 = lambda x, default: default if x is None else np.asarray(x, np.float32)
+  kinds = ["fedia" if f and m else "fedia_im" if f else "fedavg" for f, m in zip(fedia, momentum)]
+  hparams = {"rho": np.where(fedia, rho, np.nan), "beta": np.where(momentum, beta, np.nan)}
   return tables.RunResult(
       test_acc, as_f32(val_acc, test_acc), np.full((s, g, t, d), 2) if classes is None else classes,
       as_f32(bacc, test_acc), test_acc, as_f32(loss, np.zeros((s, g, t), np.float32)),
-      np.zeros((s, g, t, 3), bool), np.zeros((s, g, t, 3), np.float32), np.array(rho),
-      np.array(beta), np.array(fedia), np.array(momentum), 1.0)
+      np.zeros((s, g, t, 3), bool), np.zeros((s, g, t, 3), np.float32),
+      np.array([f"cell {i}" for i in range(g)]), np.array(kinds), hparams, 1.0)
+
+
+def _row(result, g, label, method, variant, last):
+  variant = {"+FedIA": "+fedia", "+IM": "+fedia_im"}.get(variant, variant)
+  return tables.make_row(result, g, method, variant, last)._replace(label=label)
 
 
 def _pair(result, last=1, label="FedAvg", method="fedavg"):
   return tables.add_deltas([
-      tables.make_row(result, 1, label, method, "base", last),
-      tables.make_row(result, 0, f"{label}+FedIA", method, "+FedIA", last)])
+      _row(result, 1, label, method, "base", last),
+      _row(result, 0, f"{label}+FedIA", method, "+FedIA", last)])
 
 
 def _tables(markdown):
@@ -71,8 +78,8 @@ def test_paired_deltas_and_arrows_only_where_the_interval_excludes_0():
                              atol=1e-4)
   assert base.acc.delta_base is None and base.acc.delta_fedavg is None
   np.testing.assert_allclose(plus.acc.delta_fedavg.mean, plus.acc.delta_base.mean)
-  assert (plus.rho, plus.beta, base.rho, base.beta) == (pytest.approx(0.3), pytest.approx(0.7),
-                                                        None, None)
+  assert plus.hparam_dict == {"rho": pytest.approx(0.3), "beta": pytest.approx(0.7)}
+  assert base.hparams == ()
 
   acc, bacc = _tables(tables.to_markdown([base, plus], DOMAINS, "t"))
   assert "| FedAvg |  | 59.00±1.00 | 40.00±0.00 | 49.50±0.50 |  |" in acc
@@ -134,11 +141,11 @@ def test_reference_rows_get_delta_fedavg_only_and_fedavg_is_found_by_key():
   majority = _result(np.full((2, 1, 1, 2), 0.5), fedia=(False,), momentum=(False,), rho=(1.0,),
                      beta=(1.0,))
   rows = tables.add_deltas([  # the reference first: FedAvg's row is not at position 0
-      tables.make_row(majority, 0, "Majority", "majority", "reference", 1),
-      tables.make_row(fedavg_run, 1, "FedAvg", "fedavg", "base", 1),
-      tables.make_row(fedavg_run, 0, "FedAvg+FedIA", "fedavg", "+FedIA", 1)])
+      _row(majority, 0, "Majority", "majority", "reference", 1),
+      _row(fedavg_run, 1, "FedAvg", "fedavg", "base", 1),
+      _row(fedavg_run, 0, "FedAvg+FedIA", "fedavg", "+FedIA", 1)])
   ref = rows[0]
-  assert ref.acc.delta_base is None and (ref.rho, ref.beta) == (None, None)
+  assert ref.acc.delta_base is None and ref.hparams == ()
   np.testing.assert_allclose(ref.acc.delta_fedavg.mean, [-9.0, 10.0, 0.5], atol=1e-5)
   acc, _ = _tables(tables.to_markdown(rows, DOMAINS))
   # Per seed AVG 50 - 50.0 and 50 - 49.0: +0.5 ± 12.706 * 0.7071 / 1.4142 = 6.35.
@@ -147,14 +154,14 @@ def test_reference_rows_get_delta_fedavg_only_and_fedavg_is_found_by_key():
   assert parsed[0]["variant"] == "reference" and parsed[0]["AVG_delta_base"] == ""
   assert parsed[0]["delta_fedavg"] == "0.5000"
   with pytest.raises(ValueError, match="variant = 'ref'"):
-    tables.make_row(majority, 0, "Majority", "majority", "ref", 1)
+    _row(majority, 0, "Majority", "majority", "ref", 1)
 
 
 def test_add_deltas_needs_a_base_row_and_the_same_seeds():
   base, plus = _pair(_result(TWO_SEEDS))
   with pytest.raises(ValueError, match="FedAvg\\+FedIA: no base row of method 'fedavg'"):
     tables.add_deltas([plus])
-  one_seed = tables.make_row(_result(TWO_SEEDS[:1]), 0, "X+FedIA", "fedavg", "+FedIA", 1)
+  one_seed = _row(_result(TWO_SEEDS[:1]), 0, "X+FedIA", "fedavg", "+FedIA", 1)
   with pytest.raises(ValueError, match="must share the seeds"):
     tables.add_deltas([base, one_seed])
 
@@ -189,36 +196,55 @@ def test_select_val_picks_the_best_validation_cell_not_the_best_test_cell():
   result = _result(test, val, fedia=(True, True, True, False),
                    momentum=(True, True, True, False), rho=(0.1, 0.3, 0.5, 1.0),
                    beta=(0.1, 0.1, 0.1, 1.0))
-  assert tables.select_cell(result, "val", last=1) == 2
-  assert tables.select_cell(result, "fixed", last=1) == 0
+  assert tables.select_cell(result, "fedia", "val", last=1) == 2
+  assert tables.select_cell(result, "fedia", "fixed", last=1) == 0
   assert tables.validation_avg(result, 2, last=1) == pytest.approx(70.0)
 
 
 def test_grid_heatmap_of_a_select_val_sweep_marks_what_it_draws(tmp_path):
-  # Cells (0.1, 0.1), (0.1, 0.5), (0.5, 0.1), then the base; 3 seeds, T=1.
+  # Cells: FedIA (0.1, 0.1), (0.1, 0.5), (0.5, 0.1); GMA τ=0.3, 0.1; then the base. 3 seeds, T=1.
   base = np.full((3, 1, 2), 0.5)
-  cells = [base + 0.01, base + np.array([-0.03, 0.0, 0.06])[:, None, None], base, base]
-  classes = np.full((3, 4, 1, 2), 2)
+  cells = [base + 0.01, base + np.array([-0.03, 0.0, 0.06])[:, None, None], base,
+           base - 0.01, base + 0.02, base]
+  test_acc = np.stack(cells, axis=1).astype(np.float32)  # [S, G', T, D]
+  classes = np.full(test_acc.shape, 2)
   classes[0, 2, :, 1] = 1
-  result = _result(np.stack(cells, axis=1), classes=classes, fedia=(True, True, True, False),
-                   momentum=(True, True, True, False), rho=(0.1, 0.1, 0.5, 1.0),
-                   beta=(0.1, 0.5, 0.1, 1.0))
+  nan = np.nan
+  result = tables.RunResult(
+      test_acc=test_acc, val_acc=test_acc, predicted_classes=classes, test_bacc=test_acc,
+      test_f1=test_acc, train_loss=np.zeros((3, 6, 1), np.float32),
+      nonfinite=np.zeros((3, 6, 1, 3), bool), alpha=np.zeros((3, 6, 1, 3), np.float32),
+      labels=np.array([f"cell {g}" for g in range(6)]),
+      aggregators=np.array(["fedia"] * 3 + ["gma"] * 2 + ["fedavg"]),
+      hparams={"rho": np.array([0.1, 0.1, 0.5, nan, nan, nan]),
+               "beta": np.array([0.1, 0.5, 0.1, nan, nan, nan]),
+               "tau": np.array([nan, nan, nan, 0.3, 0.1, nan])}, seconds=1.0)
   grid = tables.plot_grid_heatmap(result, DOMAINS, 1, tmp_path / "heatmap-fedprox.png",
                                   "t", "FedProx")
+  assert (grid.row_name, grid.col_name) == ("rho", "beta")
   np.testing.assert_allclose(grid.delta[0], [1.0, 1.0], atol=1e-4)
   assert not grid.present[1, 1] and grid.delta[1, 0] == pytest.approx(0.0, abs=1e-6)
   # +1 in every seed is significant; -3, 0, +6 (hw 4.30 * 4.58 / √3 = 11.4) is not.
   np.testing.assert_array_equal(grid.significant, [[True, False], [False, False]])
   np.testing.assert_array_equal(grid.constant, [[False, False], [True, False]])
   assert (tmp_path / "heatmap-fedprox.png").read_bytes()[:4] == b"\x89PNG"
+  # GMA's cells: one row over τ, sorted.
+  gma = tables.plot_grid_heatmap(result, DOMAINS, 1, tmp_path / "heatmap-gma.png",
+                                 aggregator="gma")
+  assert (gma.row_name, gma.col_name) == (None, "tau")
+  np.testing.assert_allclose(gma.col_values, [0.1, 0.3])
+  np.testing.assert_allclose(gma.delta, [[2.0, -1.0]], atol=1e-4)
+  np.testing.assert_array_equal(gma.significant, [[True, True]])
   with pytest.raises(ValueError, match="one base cell"):
-    tables.plot_grid_heatmap(result._replace(fedia=np.ones(4, bool)), DOMAINS, 1,
+    tables.plot_grid_heatmap(result._replace(aggregators=np.array(["fedia"] * 6)), DOMAINS, 1,
                              tmp_path / "x.png")
+  with pytest.raises(ValueError, match="need fedheal grid cells"):
+    tables.plot_grid_heatmap(result, DOMAINS, 1, tmp_path / "x.png", aggregator="fedheal")
 
 
 def test_plot_table_draws_every_variant(tmp_path):
   base, plus = _pair(_result(TWO_SEEDS))
-  majority = tables.make_row(_result(np.full((2, 1, 1, 2), 0.5), fedia=(False,),
+  majority = _row(_result(np.full((2, 1, 1, 2), 0.5), fedia=(False,),
                                      momentum=(False,), rho=(1.0,), beta=(1.0,)),
                              0, "Majority", "majority", "reference", 1)
   tables.plot_table(tables.add_deltas([base, plus, majority]), tmp_path / "table.png", "t")

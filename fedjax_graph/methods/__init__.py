@@ -1,0 +1,97 @@
+"""Federated methods, one module each, found by name in ``REGISTRY``.
+
+A method is a client part and a server part (``base.Method``); adding one is a
+new module with its factory plus one line in ``REGISTRY`` (and ``DISPLAY``).
+
+**Composition with an aggregator** (the paper's "+FedIA", Sec. 3.3): the
+simulation forms the aggregate ``update`` of the participants' model updates
+with the cell's aggregator: the method's own averaging (``fedavg`` with the
+method's base weights: uniform or training-node counts, as its paper does) or
+another rule (FedIA, GMA, FedHEAL). The method's ``server_step`` and client
+part are the same in both cases, so what an aggregator replaces is exactly the
+mean of the client updates:
+
+  ==========  ===================================================================
+  FedAvg      u replaces the count-weighted mean; W <- W - eta u.
+  FedProx     as FedAvg (the proximal term is client-side only).
+  MOON        as FedAvg (the contrastive term is client-side only).
+  FedDyn      u replaces the uniform mean of the participants' model deltas, in
+              both W and h: h <- h + alpha eta (|P|/m) u;
+              W <- W - eta u - h / alpha.
+  FedOpt      u replaces the uniform mean Delta; the server optimiser takes the
+              pseudo-gradient eta u.
+  SCAFFOLD    u replaces the uniform mean, for the model and for the server
+              control variate: W <- W - eta_g eta u;
+              c <- c + (|S|/N) (u / K - c) (the mean of c_k+ - c_k, option II).
+  ==========  ===================================================================
+
+Per-client state never changes for a client that did not take part in the
+round (not sampled, no training node, or a non-finite update). ``local`` is a
+reference row (``references``), not a federated method: it is registered so
+the simulation can run it, but is not in ``METHODS``.
+"""
+
+import inspect
+from typing import Any, Callable, Mapping, Optional
+
+from fedjax_graph.config import Config
+from fedjax_graph.methods.base import ClientContext, Method, MethodState, StepOutput
+from fedjax_graph.methods.defaults import METHODS_FILE, check_method_config, method_defaults
+from fedjax_graph.methods.fedavg import fedavg
+from fedjax_graph.methods.feddyn import feddyn
+from fedjax_graph.methods.fedopt import SERVER_OPTIMIZERS, fedopt
+from fedjax_graph.methods.fedprox import fedprox
+from fedjax_graph.methods.local import local
+from fedjax_graph.methods.moon import cosine_similarity, moon, moon_loss
+from fedjax_graph.methods.scaffold import effective_steps, scaffold
+from fedjax_graph.models import NodeClassifier
+
+REGISTRY: dict[str, Callable[..., Method]] = {
+    "fedavg": fedavg, "fedprox": fedprox, "moon": moon, "feddyn": feddyn, "fedopt": fedopt,
+    "scaffold": scaffold, "local": local}
+DISPLAY = {"fedavg": "FedAvg", "fedprox": "FedProx", "moon": "MOON", "feddyn": "FedDyn",
+           "fedopt": "FedOpt", "scaffold": "SCAFFOLD", "local": "Local"}
+REFERENCE_METHODS = ("local",)
+# The federated base methods (what tables run "alone and +FedIA").
+METHODS = {name: f for name, f in REGISTRY.items() if name not in REFERENCE_METHODS}
+
+
+def register(name: str, factory: Callable[..., Method], display: Optional[str] = None) -> None:
+  """Adds a method under ``name`` (e.g. from a user's own module or a test).
+
+  Raises:
+    ValueError: if ``name`` is taken.
+  """
+  if name in REGISTRY:
+    raise ValueError(f"a method called {name!r} is registered already")
+  REGISTRY[name] = factory
+  METHODS[name] = factory
+  DISPLAY[name] = display or name
+
+
+def make_method(name: str, model: NodeClassifier, config: Config,
+                hparams: Optional[Mapping[str, Any]] = None) -> Method:
+  """The method called ``name`` with ``hparams`` over its defaults.
+
+  Raises:
+    ValueError: for an unknown method or hyper-parameter, or a value out of
+      its range, naming it and what is allowed.
+  """
+  if name not in REGISTRY:
+    raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+  factory = REGISTRY[name]
+  hparams = dict(hparams or {})
+  allowed = list(inspect.signature(factory).parameters)[2:]
+  unknown = sorted(set(hparams) - set(allowed))
+  if unknown:
+    raise ValueError(f"{name}: unknown hyper-parameter(s) {unknown}; valid: {allowed}")
+  try:
+    return factory(model, config, **hparams)
+  except TypeError as err:  # e.g. mu: "0.01" compared with 0
+    raise ValueError(f"{name}: a hyper-parameter has the wrong type in {hparams} ({err})")
+
+
+__all__ = ["ClientContext", "DISPLAY", "METHODS", "METHODS_FILE", "Method", "MethodState",
+           "REGISTRY", "SERVER_OPTIMIZERS", "StepOutput", "check_method_config",
+           "cosine_similarity", "effective_steps", "make_method", "method_defaults", "moon_loss",
+           "register"]

@@ -1,0 +1,176 @@
+"""The shape of a federated method: a client part and a server part, as pure functions.
+
+The simulation runs all clients of a round in one ``vmap`` and the local steps
+in a ``lax.scan``, so a method is a record of pure functions (fedjax's
+client_init / client_step / client_final split, optax's style):
+
+  * ``init(params, num_clients) -> MethodState``: per-client state (every leaf
+    ``[C, ...]``, read and written by client index) and server state.
+  * ``prepare(ctx) -> prepared``: what a client computes once per round
+    before its local steps (e.g. MOON's frozen representations); no gradient
+    flows through it. ``ctx.prepared`` holds it during the steps.
+  * ``local_loss(params, step, ctx) -> f32[]``: the term added to the
+    client's cross-entropy at each local step; ``step`` holds the current
+    model's hidden representation and logits (``StepOutput``).
+  * ``client_final(ctx, params, update) -> (client_state, upload)``: after
+    the last step, the client's new state (kept only if it took part) and
+    what it uploads besides its model update ``update`` (descent convention,
+    u_k = -(W_k - W)/eta): any pytree of fixed shape, e.g. class prototypes
+    [K, H] and counts [K]; ``()`` for none. Uploads are stacked [C, ...]
+    like the updates.
+  * ``server_step(params, server_state, update, uploads, participating,
+    num_clients) -> (params, server_state)``: how the aggregate ``update`` of
+    the participants' model updates (the aggregator's output) and their
+    ``uploads`` (leaves [C, ...], rows of non-participants must be ignored)
+    move the global model and the server state.
+
+Each method's module builds one with a factory ``factory(model, config,
+**hparams)``; ``methods.make_method`` finds it by name and checks the
+hyper-parameters.
+"""
+
+from typing import Any, Callable, Mapping, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_graph.config import Config
+from fedjax_graph.types import Array, PyTree
+
+
+class MethodState(NamedTuple):
+  """A method's state in one run.
+
+  Attributes:
+    clients: pytree, every leaf [C, ...]: row k is client k's state.
+    server: pytree: the server's state.
+  """
+  clients: PyTree
+  server: PyTree
+
+
+class ClientContext(NamedTuple):
+  """Everything one client's local training sees in a round.
+
+  Attributes:
+    params: the model the client starts from (the global model, or its own
+      for a ``personal`` method).
+    global_params: the global model W.
+    x: f32[N, F] node features (the rows its backbone trains on).
+    y: i32[N] labels, 0 on padding rows.
+    train_mask: bool[N] training nodes.
+    groups: i32[N] the batch norm's group of each row (its domain), and
+      ``num_groups`` on the rows it leaves out.
+    num_groups: D, static.
+    graph: the client's padded shard when the backbone propagates in
+      training, else None.
+    client_state: this client's row of the per-client state.
+    server_state: the method's server state (read only).
+    prepared: what ``Method.prepare`` returned (None while preparing).
+  """
+  params: PyTree
+  global_params: PyTree
+  x: Array
+  y: Array
+  train_mask: Array
+  groups: Array
+  num_groups: int
+  graph: Optional[Any]
+  client_state: PyTree
+  server_state: PyTree
+  prepared: PyTree = None
+
+
+class StepOutput(NamedTuple):
+  """The current model's forward pass at one local step.
+
+  Attributes:
+    hidden: f32[N, H] the classifier's input before dropout.
+    logits: f32[N, K].
+  """
+  hidden: Array
+  logits: Array
+
+
+class Method(NamedTuple):
+  """A method's pure client and server functions (see the module docstring).
+
+  Attributes:
+    name: e.g. ``fedprox``.
+    hparams: its hyper-parameters (static: they are closed over).
+    uniform_weights: its own averaging weighs participants uniformly (True)
+      or by their training-node counts (False): the base weights its
+      aggregator gets.
+    personal: clients train from, and are evaluated with, their own models
+      (the per-client state), not the global model (``local``).
+  """
+  name: str
+  hparams: Mapping[str, Any]
+  uniform_weights: bool
+  init: Callable
+  prepare: Callable
+  local_loss: Callable
+  client_final: Callable
+  server_step: Callable
+  personal: bool = False
+
+
+def stateless(params, num_clients) -> MethodState:
+  return MethodState(clients=(), server=())
+
+
+def nothing(ctx) -> tuple:
+  return ()
+
+
+def no_loss(params, step, ctx) -> Array:
+  return jnp.zeros((), jnp.float32)
+
+
+def keep_state(ctx, params, update):
+  """``client_final`` of a method whose clients keep their state and upload nothing."""
+  return ctx.client_state, ()
+
+
+def descent_step(config: Config) -> Callable:
+  """``server_step`` of FedAvg: W <- W - eta u (FedIA paper, eq. 8)."""
+  def server_step(params, server_state, update, uploads, participating, num_clients):
+    return jax.tree.map(lambda w, u: w - config.lr * u, params, update), server_state
+  return server_step
+
+
+def per_client(tree: PyTree, num_clients: int) -> PyTree:
+  """``tree`` repeated along a new leading [C] axis."""
+  return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (num_clients,) + leaf.shape), tree)
+
+
+def zeros_like(tree: PyTree) -> PyTree:
+  return jax.tree.map(jnp.zeros_like, tree)
+
+
+def sum_sq(a: PyTree, b: PyTree) -> Array:
+  """||a - b||^2 over all leaves."""
+  return sum(jnp.sum(jnp.square(x - y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def dot(a: PyTree, b: PyTree) -> Array:
+  """<a, b> over all leaves."""
+  return sum(jnp.sum(x * y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def masked_mean(values: Array, mask: Array) -> Array:
+  """Mean of ``values`` f32[N] over ``mask`` bool[N]; 0 when the mask is empty."""
+  return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def weights_uniform(weights: str) -> bool:
+  """``weights: count | uniform`` of a method's own averaging, as a bool."""
+  if weights not in ("count", "uniform"):
+    raise ValueError(f"weights = {weights!r}; choose 'count' (training-node counts) or 'uniform'")
+  return weights == "uniform"
+
+
+def check(ok: bool, method: str, name: str, value, allowed: str) -> None:
+  """Raises ValueError ``<method>: <name> = <value>; must be <allowed>`` unless ``ok``."""
+  if not ok:
+    raise ValueError(f"{method}: {name} = {value!r}; must be {allowed}")

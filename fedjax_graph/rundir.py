@@ -1,0 +1,132 @@
+"""Run folders: where results go, what a folder holds, and how a run is resumed.
+
+Every experiment (grid, table, ablation, dissection) writes into one output
+folder: a ``config.json`` (its setup, provenance and status), its results and,
+while it runs, checkpoints. These helpers refuse to clobber a run, remove only
+a tool's own files, check a run's length and seeds before anything is
+written, and give a resumed run its own controls back.
+"""
+
+import datetime
+import importlib.metadata
+import json
+import pathlib
+import subprocess
+from typing import Mapping, Optional, Sequence
+
+from fedjax_graph.config import Config
+from fedjax_graph.controls import RunControls
+
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "jraph", "numpy", "scipy")
+
+
+def default_out_dir(config: Config, kind: str = "") -> pathlib.Path:
+  """``results/<dataset>-<setting>[-<kind>]-<timestamp>``."""
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  name = "-".join(part for part in (config.dataset, config.setting, kind, stamp) if part)
+  return pathlib.Path("results") / name
+
+
+def provenance() -> dict:
+  """Package versions and the git commit, for config.json."""
+  versions = {}
+  for name in PACKAGES:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      versions[name] = None
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=pathlib.Path(__file__).parent, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    commit = None
+  return {"packages": versions, "git_commit": commit}
+
+
+CHECKPOINT = "checkpoint.msgpack"
+
+
+def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
+                    finished_marker: str = "summary.csv", resumable: bool = True) -> None:
+  """Refuses to clobber a run: a finished one needs ``overwrite``, an unfinished one ``resume``.
+
+  Nothing is deleted here: with ``overwrite``, the caller removes its own
+  outputs (``remove_outputs``) once the data has loaded, and makes the
+  folder, so a failure before that leaves everything as it was.
+
+  Raises:
+    ValueError: naming the folder and the flag that would proceed.
+  """
+  finished = (out_dir / finished_marker).exists()
+  unfinished = not finished and ((out_dir / CHECKPOINT).exists()
+                                 or (out_dir / "config.json").exists())
+  if overwrite:
+    return
+  if resume:
+    if finished:
+      raise ValueError(f"{out_dir} holds a finished run; nothing to resume "
+                       "(to run it again, start it anew with --out and --overwrite)")
+    if not unfinished:
+      raise ValueError(f"{out_dir} holds no run to resume")
+  elif finished:
+    raise ValueError(f"{out_dir} holds a finished run; pass --overwrite to replace it or "
+                     "choose another --out")
+  elif unfinished and not resumable:
+    raise ValueError(f"{out_dir} holds an unfinished run that cannot be resumed; pass "
+                     "--overwrite to replace it or choose another --out")
+  elif unfinished:
+    raise ValueError(f"{out_dir} holds an unfinished run; continue it with --resume {out_dir} "
+                     "or pass --overwrite to start again")
+
+
+def remove_outputs(out_dir: pathlib.Path, names) -> None:
+  """Deletes the named files of a previous run in ``out_dir`` (others' files are left alone)."""
+  for name in names:
+    (out_dir / name).unlink(missing_ok=True)
+
+
+MAX_SEED = 2**31 - 1
+
+
+def check_run_args(rounds: int, last: int, seeds: Sequence[int]) -> None:
+  """Checks a run's length and seeds before anything is written (``RunControls`` checks itself).
+
+  Raises:
+    ValueError: naming the first bad value and what is allowed.
+  """
+  if rounds < 1:
+    raise ValueError(f"rounds = {rounds}; must be >= 1")
+  if not 1 <= last <= rounds:
+    raise ValueError(f"last = {last}; must be in [1, rounds = {rounds}]")
+  if not seeds or len(set(seeds)) != len(seeds):
+    raise ValueError(f"seeds = {list(seeds)}; give at least one, without repeats")
+  bad = [s for s in seeds if not 0 <= s <= MAX_SEED]
+  if bad:
+    raise ValueError(f"seeds = {list(seeds)}; each must be in [0, {MAX_SEED}]")
+
+
+def read_record(out_dir: pathlib.Path, required: str) -> dict:
+  """The config.json of the run in ``out_dir``, which must hold the key ``required``.
+
+  Raises:
+    ValueError: without a config.json, or for another kind of run.
+  """
+  try:
+    record = json.loads((out_dir / "config.json").read_text())
+  except FileNotFoundError:
+    raise ValueError(f"{out_dir} holds no config.json: no run to resume")
+  if required not in record:
+    raise ValueError(f"{out_dir} holds another kind of run (its config.json has no {required!r})")
+  return record
+
+
+def resumed(controls: RunControls, record: Mapping, out_dir: pathlib.Path,
+            nonfinite: Optional[str] = None) -> RunControls:
+  """The controls of a resumed run: the run's own, but for the data locations, progress and
+  checks of ``controls`` and the policy ``nonfinite`` (None: the run's)."""
+  return controls.replace(
+      out_dir=out_dir, resume=True, overwrite=False, chunk=record["chunk"],
+      checkpoint_every=record.get("checkpoint_every", 1),
+      raw_dir=controls.raw_dir or record.get("raw_dir"),
+      cache_dir=controls.cache_dir or record.get("cache_dir"),
+      nonfinite=nonfinite or record["nonfinite"])
