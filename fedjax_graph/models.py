@@ -8,6 +8,8 @@ layers) and differ only in where GCN propagation happens:
   gcn        yes                      yes
   pmlp_gcn   no                       yes
 
+(``sfpd``, FedSPA's typed-edge backbone, is its own module: ``sfpd.SFPD``.)
+
 Each hidden layer computes, as PMLP's reference code (class ``PMLP_GCN``) does,
 
   h <- dropout(relu(batch_norm(propagate(h @ W) + b)))
@@ -51,16 +53,21 @@ class Backbone(NamedTuple):
       rows only: a backbone that does not propagate in training); room for
       ``sampled`` neighbourhoods (GraphSAGE) next. See
       ``simulation.make_training_input``.
+    eval_labels: the forward reads training labels at inference too (SFPD's
+      edge types): the evaluation graph is then given as an
+      ``sfpd.LabelledGraph`` (the CSR graph with the clients' training labels).
   """
   propagate_train: bool
   propagate_eval: bool
   training_input: str
+  eval_labels: bool = False
 
 
 BACKBONES = {
     "mlp": Backbone(False, False, "rows"),
     "gcn": Backbone(True, True, "graph"),
     "pmlp_gcn": Backbone(False, True, "rows"),
+    "sfpd": Backbone(True, True, "graph", eval_labels=True),
 }
 NORMS = ("batch", "none")
 BATCH_NORM_EPS = 1e-5
@@ -197,14 +204,23 @@ def make_model(name: str, num_classes: int, hidden: int = 128, num_layers: int =
                dropout: float = 0.5, norm: str = "batch") -> NodeClassifier:
   """The backbone called ``name`` (one of ``BACKBONES``) with ``norm`` (one of ``NORMS``).
 
+  ``sfpd`` is an ``sfpd.SFPD`` (same call signature), which has no batch norm.
+
   Raises:
-    ValueError: for an unknown name or norm, listing the supported ones.
+    ValueError: for an unknown name or norm, listing the supported ones, or
+      ``sfpd`` with a norm other than ``none``.
   """
   if name not in BACKBONES:
     raise ValueError(f"Unsupported model: {name!r}; choose one of {sorted(BACKBONES)}")
   if norm not in NORMS:
     raise ValueError(f"Unsupported norm: {norm!r}; choose one of {list(NORMS)}")
-  propagate_train, propagate_eval, _ = BACKBONES[name]
+  if name == "sfpd":
+    from fedjax_graph import sfpd  # sfpd imports this module
+    if norm != "none":
+      raise ValueError(f"Unsupported norm for sfpd: {norm!r}; SFPD has none (norm: none)")
+    return sfpd.SFPD(num_classes=num_classes, hidden=hidden, num_layers=num_layers,
+                     dropout=dropout)
+  propagate_train, propagate_eval = BACKBONES[name][:2]
   return NodeClassifier(num_classes=num_classes, hidden=hidden, num_layers=num_layers,
                         dropout=dropout, propagate_train=propagate_train,
                         propagate_eval=propagate_eval, norm=norm)

@@ -22,6 +22,7 @@ from ``aggregators``):
   4. the new global model is evaluated on every domain's full graph.
 """
 
+import dataclasses
 import json
 from typing import Callable, NamedTuple, Optional
 
@@ -32,6 +33,7 @@ import numpy as np
 from fedjax_graph import aggregators
 from fedjax_graph import methods as methods_lib
 from fedjax_graph import models
+from fedjax_graph import sfpd
 from fedjax_graph.cells import CellBatch
 from fedjax_graph.client import ClientOutput, make_local_update
 from fedjax_graph.config import Config
@@ -346,7 +348,9 @@ def make_simulation(config: Config, federation: Federation,
     diagnostics: compute update diagnostics at these rounds; None (the
       default) compiles none of it, so a plain sweep pays nothing.
     method, method_hparams: the method and its hyper-parameters (see
-      ``methods.make_method``).
+      ``methods.make_method``). A method with a ``recipe`` (FedSPA) runs on
+      ``config`` with those fields replaced (its own backbone); the local
+      training recipe (lr, steps, momentum) stays the config's.
 
   Raises:
     ValueError: for an unknown method or a bad hyper-parameter.
@@ -364,6 +368,11 @@ def make_simulation(config: Config, federation: Federation,
 def _make_simulation(config, federation, diagnostics, method_name, method_hparams):
   model = config.model(federation.num_classes)
   method = methods_lib.make_method(method_name, model, config, method_hparams)
+  if method.recipe:  # the method brings its own backbone (FedSPA's SFPD)
+    config = dataclasses.replace(config, **method.recipe)
+    model = config.model(federation.num_classes)
+    method = methods_lib.make_method(method_name, model, config, method_hparams)
+  eval_labels = models.BACKBONES[config.backbone].eval_labels
   num_clients, num_domains = federation.num_clients, len(federation.domains)
   local_update = make_local_update(model, config, method, num_domains)
   training_input = make_training_input(config, num_domains)
@@ -400,9 +409,12 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
     if sampled is not None:
       participating = participating & sampled
     base_weights = jnp.ones_like(train_counts) if method.uniform_weights else train_counts
+    # A method's own per-tensor weights (FedSPA's HBDA), kept under any aggregator.
+    leaf_weights = (None if method.leaf_weights is None
+                    else method.leaf_weights(state.params, outputs.upload, participating))
     update, agg_state, diag = aggregators.get(aggregator).update(
         outputs.update, state.aggregator, weights=base_weights, participating=participating,
-        **hparams)
+        leaf_weights=leaf_weights, **hparams)
     # A client whose update is finite but one of whose statistics is not (an
     # overflowing norm) was left out by the aggregator: it is absent too.
     participating = participating & ~diag.excluded
@@ -452,8 +464,14 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
     return jax.lax.cond(jnp.isin(t + 1, jnp.asarray(diagnostics.rounds)), compute, skip, updates)
 
   def evaluate(params, val_mask, test_mask, owner, data):
+    graph = data.eval_graph
+    if eval_labels:
+      # SFPD types edges by training labels at inference too: those of the
+      # domain's clients (every real node is a client's train, val or test node).
+      train = (data.eval_domain < num_domains) & ~val_mask & ~test_mask
+      graph = sfpd.LabelledGraph(graph, data.eval_y, train)
     # Batch-norm statistics per domain: each domain's full graph is its own batch.
-    predict_all = lambda p: predict(model, p, data.eval_x, data.eval_graph, data.eval_domain,
+    predict_all = lambda p: predict(model, p, data.eval_x, graph, data.eval_domain,
                                     num_domains)
     if method.personal:  # each node by the model of the client that holds it
       per_client = jax.lax.map(predict_all, params)  # [C, N]; one model at a time, less memory

@@ -27,6 +27,14 @@ Conventions:
   * ``weights`` f32[C] are base weights (e.g. train-node counts; default
     uniform), renormalised over the clients aggregated. Rules that make their
     own client weights (FedIA with momentum, FedHEAL) ignore them.
+  * ``leaf_weights`` (optional; the aggregators that take it: FedAvg, FedIA
+    and its ablations) is a pytree shaped like the updates with leaves f32[C]:
+    per parameter tensor, client weights multiplied into the client weights
+    the rule forms (base weights or FedIA's alpha) and renormalised over the
+    clients aggregated, tensor by tensor. It is how a method whose own
+    averaging weighs each parameter group differently (FedSPA's HBDA) keeps
+    those weights under another rule; None: one weight per client for every
+    tensor, as before.
   * ``participating`` bool[C] (default all True) is the sampled set. Rows of
     non-participants are padding: they are never read into a result (a NaN
     there cannot leak), get weight 0, keep their per-client state and are left
@@ -317,6 +325,7 @@ def make_aggregator(
     specs: Mapping[str, HParam],
     init: AggregatorInitFn,
     core: Callable[..., tuple[Updates, AggregatorState, Any]],
+    per_leaf: bool = False,
 ) -> Aggregator:
   """Builds an :class:`Aggregator` from its init and its jittable core.
 
@@ -325,30 +334,82 @@ def make_aggregator(
   to float arrays, so Python numbers and traced values reach the same
   compiled core, and calls
   ``core(client_updates, state, weights, participating, **hparams)`` with
-  ``weights`` f32[C] (ones when None) and ``participating`` bool[C].
+  ``weights`` f32[C] (ones when None) and ``participating`` bool[C]. With
+  ``per_leaf``, ``update`` also takes ``leaf_weights`` (see the module
+  docstring) and passes it on as ``core(..., leaf_weights=...)`` when given;
+  without, a ``leaf_weights`` is a ValueError naming the aggregator.
   """
 
-  def update(client_updates, state, *args, weights=None, participating=None, **kwargs):
+  def update(client_updates, state, *args, weights=None, participating=None,
+             leaf_weights=None, **kwargs):
     num_clients = num_clients_of(client_updates)
     values = resolve_hparams(owner, specs, args, kwargs)
     check_state(
         state,
         jax.eval_shape(functools.partial(init, num_clients), one_client(client_updates)),
     )
+    extra = {}
+    if leaf_weights is not None:
+      if not per_leaf:
+        raise ValueError(f"{owner} does not take per-tensor leaf_weights")
+      extra["leaf_weights"] = check_leaf_weights(leaf_weights, client_updates)
     return core(
         client_updates,
         state,
         base_weights(weights, num_clients),
         participation(participating, num_clients),
         **{n: as_float(v) for n, v in values.items()},
+        **extra,
     )
 
   return Aggregator(init=init, update=update, hparam_specs=types.MappingProxyType(dict(specs)))
 
 
+def check_leaf_weights(leaf_weights: Any, client_updates: ClientUpdates) -> Any:
+  """``leaf_weights`` as f32 leaves, checking it has the updates' structure and leaves [C].
+
+  Raises:
+    ValueError: naming the expected structure or the first leaf of another shape.
+  """
+  num_clients = num_clients_of(client_updates)
+  want = jax.tree.structure(client_updates)
+  if jax.tree.structure(leaf_weights) != want:
+    raise ValueError(f"leaf_weights has structure {jax.tree.structure(leaf_weights)}, "
+                     f"expected that of the updates, {want}")
+  for path, leaf in jax.tree_util.tree_flatten_with_path(leaf_weights)[0]:
+    if jnp.shape(leaf) != (num_clients,):
+      raise ValueError(f"leaf_weights{jax.tree_util.keystr(path)} must have shape "
+                       f"({num_clients},), got {jnp.shape(leaf)}")
+  return jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), leaf_weights)
+
+
 # ----------------------------------------------------------------------------
 # Small jittable helpers.
 # ----------------------------------------------------------------------------
+
+
+def leaf_coefficients(coeff: jax.Array, leaf_weights: Any, active: jax.Array) -> Any:
+  """Per-tensor client weights: ``coeff_k l_k`` renormalised over ``active``, leaf by leaf.
+
+  ``coeff`` f32[C] are the rule's client weights; ``leaf_weights`` a pytree
+  of f32[C] (or None: ``coeff`` itself is returned, one vector for all).
+  """
+  if leaf_weights is None:
+    return coeff
+  return jax.tree.map(lambda w: normalise(coeff * w, active), leaf_weights)
+
+
+def applied_weights(coeff: Any, like: Updates) -> jax.Array:
+  """The client weights f32[C] a diagnostic reports for ``coeff`` (f32[C] or per leaf).
+
+  Per-leaf weights are averaged over leaves weighted by their coordinate
+  counts: each client's share of the aggregate's coordinates.
+  """
+  if isinstance(coeff, (jax.Array, np.ndarray)):
+    return coeff
+  sizes = [math.prod(jnp.shape(leaf)[1:]) for leaf in jax.tree.leaves(like)]
+  total = sum(sizes)
+  return sum(n / max(total, 1) * c for n, c in zip(sizes, jax.tree.leaves(coeff)))
 
 
 def as_float(x: Any) -> jax.Array:
@@ -390,18 +451,22 @@ def weighted_sum(
 ) -> Updates:
   """``sum_k coeff_k (u_k * M)`` over active clients, leaf by leaf, in each leaf's dtype.
 
-  ``mask`` (optional) is shaped like one client's update (leaves [...]).
+  ``coeff`` is f32[C], or a pytree shaped like the updates with leaves f32[C]
+  (per-tensor weights, :func:`leaf_coefficients`). ``mask`` (optional) is
+  shaped like one client's update (leaves [...]).
   """
 
-  def leaf_sum(leaf, leaf_mask=None):
+  def leaf_sum(leaf, leaf_coeff, leaf_mask=None):
     x = read_rows(leaf, active)
     if leaf_mask is not None:
       x = x * leaf_mask.astype(x.dtype)
-    return jnp.sum(rows(coeff, x).astype(x.dtype) * x, axis=0).astype(leaf.dtype)
+    return jnp.sum(rows(leaf_coeff, x).astype(x.dtype) * x, axis=0).astype(leaf.dtype)
 
+  if isinstance(coeff, (jax.Array, np.ndarray)):
+    coeff = jax.tree.map(lambda _: coeff, client_updates)
   if mask is None:
-    return jax.tree.map(leaf_sum, client_updates)
-  return jax.tree.map(leaf_sum, client_updates, mask)
+    return jax.tree.map(leaf_sum, client_updates, coeff)
+  return jax.tree.map(leaf_sum, client_updates, coeff, mask)
 
 
 def l2_norms(

@@ -60,11 +60,11 @@ def _fedavg_core(
 
 
 @jax.jit
-def _aggregator_core(client_updates, state, weights, part):
+def _aggregator_core(client_updates, state, weights, part, leaf_weights=None):
   active, _ = base.screen(client_updates, part)
-  coeff = base.normalise(weights, active)
+  coeff = base.leaf_coefficients(base.normalise(weights, active), leaf_weights, active)
   diagnostics = base.Diagnostics(
-      weights=coeff,
+      weights=base.applied_weights(coeff, client_updates),
       mask_coverage=jnp.ones((), jnp.float32),
       excluded=part & ~active,
   )
@@ -74,10 +74,13 @@ def _aggregator_core(client_updates, state, weights, part):
 def fedavg_aggregator() -> base.Aggregator:
   """FedAvg behind the :class:`~base.Aggregator` interface (stateless, no hyper-parameters).
 
-  ``update(client_updates, state, weights=None, participating=None)``
-  returns ``fedavg(client_updates, weights, active)`` with ``weights``
-  uniform when None and ``active`` the participants whose update has a
-  finite L2 norm (the others are reported in ``diagnostics.excluded``).
+  ``update(client_updates, state, weights=None, participating=None,
+  leaf_weights=None)`` returns ``fedavg(client_updates, weights, active)``
+  with ``weights`` uniform when None and ``active`` the participants whose
+  update has a finite L2 norm (the others are reported in
+  ``diagnostics.excluded``). With ``leaf_weights`` (pytree of f32[C], see
+  ``base``) tensor ``l`` is averaged with ``weights * leaf_weights[l]``
+  renormalised; ``diagnostics.weights`` are then their coordinate-weighted mean.
 
   Returns:
     An :class:`~base.Aggregator`: ``init(num_clients, params=None) ->
@@ -96,4 +99,4 @@ def fedavg_aggregator() -> base.Aggregator:
     base.check_num_clients(num_clients)
     return base.EmptyState()
 
-  return base.make_aggregator("fedavg", {}, init, _aggregator_core)
+  return base.make_aggregator("fedavg", {}, init, _aggregator_core, per_leaf=True)

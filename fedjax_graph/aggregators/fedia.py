@@ -289,6 +289,7 @@ def _fedia_core(
     part: jax.Array,
     rho: jax.Array | None = None,
     beta: jax.Array | None = None,
+    leaf_weights: base.ClientUpdates | None = None,
     *,
     use_mask: bool,
     use_momentum: bool,
@@ -314,8 +315,11 @@ def _fedia_core(
     coeff = alpha = base.normalise(weights, active)
     new_state = state
 
+  # A method's per-tensor weights (FedSPA's HBDA) multiply alpha (or the base
+  # weights) tensor by tensor; the momentum state stays FedIA's own alpha.
+  coeff = base.leaf_coefficients(coeff, leaf_weights, active)
   diagnostics = FedIADiagnostics(
-      weights=coeff,
+      weights=base.applied_weights(coeff, client_updates),
       mask_coverage=coverage,
       excluded=part & ~active,
       alpha=alpha,
@@ -397,6 +401,12 @@ def fedia(use_mask: bool = True, use_momentum: bool = True) -> base.Aggregator:
         if None. Full FedIA ignores it (Algorithm 1 starts from
         ``alpha^0 = 1/C``).
       * ``participating``: optional bool[C]; default all True.
+      * ``leaf_weights``: optional pytree shaped like the updates, leaves
+        f32[C] (see ``base``): tensor ``l`` is aggregated with
+        ``alpha * leaf_weights[l]`` (without momentum: base weights times
+        it) renormalised over the aggregated clients; the mask, the scores
+        and the alpha state are unchanged. ``diagnostics.weights`` are then
+        the coordinate-weighted mean of the per-tensor weights.
       * Returns ``aggregated_update`` shaped like one client's pytree
         (leaves [...], same dtypes), ``new_state`` (:class:`FedIAState`)
         and :class:`FedIADiagnostics`.
@@ -425,4 +435,4 @@ def fedia(use_mask: bool = True, use_momentum: bool = True) -> base.Aggregator:
   name = {(True, True): "fedia", (True, False): "fedia_im", (False, True): "fedia_cam"}.get(
       (use_mask, use_momentum), "fedia(use_mask=False, use_momentum=False)")
   core = functools.partial(_fedia_core, use_mask=use_mask, use_momentum=use_momentum)
-  return base.make_aggregator(name, specs, init, core)
+  return base.make_aggregator(name, specs, init, core, per_leaf=True)

@@ -24,6 +24,21 @@ client_init / client_step / client_final split, optax's style):
     ``uploads`` (leaves [C, ...], rows of non-participants must be ignored)
     move the global model and the server state.
 
+Two optional fields, for a method whose averaging or backbone is its own:
+
+  * ``leaf_weights(params, uploads, participating) -> pytree``: per
+    parameter tensor, client weights f32[C] (shaped like ``params``, the
+    global model, with leaves [C]) that
+    the round's aggregator multiplies into its own client weights, tensor by
+    tensor, renormalised (``aggregators.base``, ``leaf_weights``): FedSPA's
+    HBDA. The base cell (FedAvg with the method's base weights) is then the
+    method's own averaging, and "+FedIA" weights each tensor by alpha times
+    them.
+  * ``recipe``: ``Config`` fields the method fixes, e.g. its backbone
+    (``{"backbone": "sfpd", "num_layers": 2, ...}``); the simulation builds
+    the model, the training input and the evaluation from the config with
+    these replaced.
+
 Each method's module builds one with a factory ``factory(model, config,
 **hparams)``; ``methods.make_method`` finds it by name and checks the
 hyper-parameters.
@@ -103,6 +118,10 @@ class Method(NamedTuple):
       aggregator gets.
     personal: clients train from, and are evaluated with, their own models
       (the per-client state), not the global model (``local``).
+    leaf_weights: None, or the method's per-tensor client weights from the
+      uploads (module docstring).
+    recipe: None, or the ``Config`` fields the method fixes (module
+      docstring).
   """
   name: str
   hparams: Mapping[str, Any]
@@ -113,6 +132,8 @@ class Method(NamedTuple):
   client_final: Callable
   server_step: Callable
   personal: bool = False
+  leaf_weights: Optional[Callable] = None
+  recipe: Optional[Mapping[str, Any]] = None
 
 
 def stateless(params, num_clients) -> MethodState:

@@ -1,0 +1,353 @@
+"""FedSPA: the SFPD backbone, the uploads (homophily proxy, Fisher), HBDA, and its composition with FedIA."""
+
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import fake_domain
+
+from fedjax_graph import aggregators, cells as cells_lib, config, data, graphs, methods
+from fedjax_graph import simulation, sfpd
+# The module (``methods.fedspa`` is the factory of the same name).
+fedspa_lib = importlib.import_module("fedjax_graph.methods.fedspa")
+
+HP = {"hidden": 8}  # a small SFPD for the synthetic graphs
+
+
+# ----------------------------------------------------------------------------
+# The backbone.
+# ----------------------------------------------------------------------------
+
+
+def test_edge_types_on_a_4_node_graph():
+  # Nodes 0, 1, 2 train (labels 0, 0, 1); node 3 not (its label 0 must not count).
+  y = jnp.array([0, 0, 1, 0])
+  train = jnp.array([True, True, True, False])
+  senders = jnp.array([0, 1, 0, 2, 2, 3, 1, 3])
+  receivers = jnp.array([1, 0, 2, 0, 3, 2, 3, 0])
+  types = sfpd.edge_types(senders, receivers, y, train)
+  expected = [[0, 1, 0], [0, 1, 0],  # 0-1: both train, same label: be
+              [1, 0, 0], [1, 0, 0],  # 0-2: both train, different: fr
+              [0, 0, 1], [0, 0, 1],  # 2-3: 3 is not a training node: unk
+              [0, 0, 1], [0, 0, 1]]  # 1-3, 3-0: same label, but unk
+  np.testing.assert_array_equal(types, expected)
+
+
+def _small_graph(n=7, seed=0, features=4):
+  rng = np.random.default_rng(seed)
+  edges = np.array([[0, 1], [1, 2], [2, 0], [2, 3], [3, 4], [5, 6], [1, 4]]).T
+  edges = np.concatenate([edges, edges[::-1]], axis=1)
+  x = rng.standard_normal((n, features)).astype(np.float32)
+  y = np.array([0, 1, 0, 1, 1, 0, 1], np.int32)[:n]
+  masks = dict(train=np.array([1, 1, 1, 0, 1, 0, 1], bool), val=np.zeros(n, bool),
+               test=np.array([0, 0, 0, 1, 0, 1, 0], bool))
+  return x, y, edges, masks
+
+
+def _dense_layer(params, x, edges, y, train):
+  """An SFPD layer in float64 numpy from dense matrices, independently of sfpd.py."""
+  p = {k: np.asarray(v, np.float64) for k, v in params.items() if k != "balance"}
+  gate_k = np.asarray(params["balance"]["kernel"], np.float64)
+  gate_b = np.asarray(params["balance"]["bias"], np.float64)
+  n = x.shape[0]
+  a = np.zeros((n, n))
+  typed = {t: np.zeros((n, n)) for t in ("fr", "be", "unk")}
+  for s, r in edges.T:
+    a[r, s] = 1.0
+    known = train[s] and train[r]
+    typed["unk" if not known else ("be" if y[s] == y[r] else "fr")][r, s] = 1.0
+  a_lo = (a + np.eye(n)) / (a.sum(1) + 1)[:, None]
+  a_hi = np.eye(n) - a_lo
+  relu = lambda v: np.maximum(v, 0)
+  sig = lambda v: 1 / (1 + np.exp(-v))
+  low, high, mlp = relu(a_lo @ x @ p["w_low"]), relu(a_hi @ x @ p["w_high"]), relu(x @ p["w_mlp"])
+  n_lo = {t: m @ low for t, m in typed.items()}
+  n_hi = {t: m @ high for t, m in typed.items()}
+  b1, b2 = sig(n_lo["unk"] @ gate_k + gate_b), sig(n_hi["unk"] @ gate_k + gate_b)
+  scores = np.concatenate([
+      n_lo["fr"] @ p["att_low_fr"], n_hi["fr"] @ p["att_high_fr"],
+      n_lo["be"] @ p["att_low_be"], n_hi["be"] @ p["att_high_be"],
+      b1 * (n_lo["unk"] @ p["att_low_fr"]) + (1 - b1) * (n_lo["unk"] @ p["att_low_be"]),
+      b2 * (n_hi["unk"] @ p["att_high_fr"]) + (1 - b2) * (n_hi["unk"] @ p["att_high_be"]),
+      mlp @ p["att_mlp"]], axis=1)
+  logits = sig(scores) @ p["att_mix"] / 7
+  att = np.exp(logits - logits.max(1, keepdims=True))
+  att /= att.sum(1, keepdims=True)
+  channels = [n_lo["fr"], n_hi["fr"], n_lo["be"], n_hi["be"], n_lo["unk"], n_hi["unk"], mlp]
+  return 7 * sum(att[:, c:c + 1] * channels[c] for c in range(7))
+
+
+def _shard(x, y, edges, masks, n_node, n_edge):
+  return jax.tree.map(jnp.asarray, graphs.pad_graph(x, y, edges, masks, np.zeros(len(y), int), 1,
+                                                    n_node, n_edge))
+
+
+@pytest.mark.parametrize("features", [3, 6])  # both sides of the propagate-narrower branch
+def test_sfpd_layer_matches_a_dense_hand_computation_padded_and_on_the_csr_graph(features):
+  x, y, edges, masks = _small_graph(features=4)
+  n = len(y)
+  layer = sfpd.SFPDLayer(features)
+  shard = _shard(x, y, edges, masks, 16, 24)
+  variables = layer.init(jax.random.PRNGKey(0), shard.x, sfpd.typed_edges(shard, 16))
+  # Non-trivial gate bias and mixing, so every term matters.
+  variables = jax.tree.map(lambda v: v + 0.3 * jax.random.normal(jax.random.PRNGKey(1), v.shape),
+                           variables)
+  expected = _dense_layer(variables["params"], x.astype(np.float64), edges, y, masks["train"])
+  out = layer.apply(variables, shard.x, sfpd.typed_edges(shard, 16))
+  np.testing.assert_allclose(out[:n], expected, rtol=1e-4, atol=1e-5)
+  # More padding changes no real row.
+  wider = _shard(x, y, edges, masks, 32, 40)
+  np.testing.assert_allclose(layer.apply(variables, wider.x, sfpd.typed_edges(wider, 32))[:n],
+                             out[:n], rtol=1e-5, atol=1e-6)
+  # The evaluation form (CSR graph with self-loops + training labels) gives the same rows.
+  csr = jax.tree.map(jnp.asarray, graphs.csr_graph(edges, n, 16))
+  labelled = sfpd.LabelledGraph(csr, shard.y, shard.train)
+  np.testing.assert_allclose(layer.apply(variables, shard.x, sfpd.typed_edges(labelled, 16))[:n],
+                             out[:n], rtol=1e-5, atol=1e-6)
+
+
+def test_sfpd_reads_only_training_labels():
+  x, y, edges, masks = _small_graph()
+  model = sfpd.SFPD(num_classes=2, hidden=8)
+  shard = _shard(x, y, edges, masks, 16, 24)
+  params = model.init(jax.random.PRNGKey(0), shard.x, shard, train=False)
+  other = shard._replace(y=jnp.where(shard.train, shard.y, 1 - shard.y))
+  np.testing.assert_array_equal(model.apply(params, shard.x, shard, train=False),
+                                model.apply(params, other.x, other, train=False))
+  flipped = shard._replace(y=shard.y.at[0].set(1 - shard.y[0]))  # node 0 is a training node
+  assert not np.allclose(model.apply(params, shard.x, shard, train=False),
+                         model.apply(params, flipped.x, flipped, train=False))
+
+
+def test_sfpd_needs_norm_none_and_a_graph():
+  with pytest.raises(ValueError, match="norm"):
+    config.load_preset("wikinet", backbone="sfpd").model(5)
+  model = config.load_preset("wikinet", backbone="sfpd", norm="none").model(5)
+  params = model.clone(propagate_train=False, propagate_eval=False).init(
+      jax.random.PRNGKey(0), jnp.zeros((1, 4)), None, train=False)
+  with pytest.raises(ValueError, match="needs a graph"):
+    model.apply(params, jnp.zeros((3, 4)), None, train=False)
+
+
+# ----------------------------------------------------------------------------
+# The uploads.
+# ----------------------------------------------------------------------------
+
+
+def test_homophily_proxy_on_a_tiny_graph():
+  # Path 0 - 1 - 2, both directions. Columns: [1, 0, 1] (x^T L x = 2, x^T x = 2:
+  # quotient 1), zeros (left out), constant (quotient 0).
+  x = jnp.array([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0], [1.0, 0.0, 1.0]])
+  senders, receivers = jnp.array([0, 1, 1, 2]), jnp.array([1, 0, 2, 1])
+  key = jax.random.PRNGKey(0)
+  np.testing.assert_allclose(fedspa_lib.homophily_proxy(x, senders, receivers, 1.0, key), 0.5)
+  # Half of the 2 qualifying columns: one of them, never the zero column.
+  draws = {float(fedspa_lib.homophily_proxy(x, senders, receivers, 0.5, jax.random.PRNGKey(k)))
+           for k in range(12)}
+  assert draws == {0.0, 1.0}
+  # Padding rows (zeros) and padding edges between them add nothing.
+  padded = jnp.concatenate([x, jnp.zeros((2, 3))])
+  s, r = jnp.concatenate([senders, jnp.array([3, 3])]), jnp.concatenate([receivers, jnp.array([4, 3])])
+  np.testing.assert_allclose(fedspa_lib.homophily_proxy(padded, s, r, 1.0, key), 0.5)
+  assert fedspa_lib.homophily_proxy(jnp.zeros((3, 3)), senders, receivers, 1.0, key) == 0.0
+
+
+def _ctx(model, shard, params):
+  return methods.ClientContext(params, params, shard.x, shard.y, shard.train, shard.node_domain,
+                               1, shard, (), ())
+
+
+def test_fisher_upload_uses_training_labels_only_and_is_the_squared_gradient():
+  x, y, edges, masks = _small_graph()
+  cfg = config.load_preset("wikinet", backbone="sfpd", norm="none", hidden=8, num_layers=2)
+  model = cfg.model(2)
+  method = methods.make_method("fedspa", model, cfg, HP)
+  shard = _shard(x, y, edges, masks, 16, 24)
+  params = model.init(jax.random.PRNGKey(0), shard.x, shard, train=False)
+  _, upload = method.client_final(_ctx(model, shard, params), params, None)
+  assert set(upload) == {"homophily", "fisher"}
+  assert [f.shape for f in upload["fisher"]["fr"]] == [(8, 1), (8, 1), (2, 1), (2, 1)]
+  # Against the gradient of the mean training log-likelihood written out here.
+  def mean_log_p(p):
+    log_p = jax.nn.log_softmax(model.apply(p, shard.x, shard, train=True, deterministic=True))
+    return jnp.sum(jnp.where(shard.train, log_p[jnp.arange(16), shard.y], 0)) / shard.train.sum()
+  grad = jax.grad(mean_log_p)(params)["params"]["layer_1"]["att_high_be"]
+  np.testing.assert_allclose(upload["fisher"]["be"][3], grad**2, rtol=1e-5, atol=1e-12)
+  assert float(jnp.sum(upload["fisher"]["be"][3])) > 0
+  # Labels of non-training nodes change nothing.
+  other = shard._replace(y=jnp.where(shard.train, shard.y, 1 - shard.y))
+  _, upload2 = method.client_final(_ctx(model, other, params), params, None)
+  jax.tree.map(np.testing.assert_array_equal, upload, upload2)
+  # Without HBDA, nothing is uploaded besides the update.
+  nohbda = methods.make_method("fedspa_nohbda", model, cfg, HP)
+  assert nohbda.client_final(_ctx(model, shard, params), params, None)[1] == ()
+  assert nohbda.leaf_weights is None
+
+
+# ----------------------------------------------------------------------------
+# HBDA.
+# ----------------------------------------------------------------------------
+
+
+def _softmin(v):
+  v = np.asarray(v, np.float64)
+  m = (v - v.min()) / (v.max() - v.min()) if v.max() > v.min() else np.zeros_like(v)
+  return np.exp(-m) / np.exp(-m).sum()
+
+
+def test_hbda_weights_by_hand_for_three_clients():
+  # fr: F = 0, 1, 3 (one scalar tensor) plus a tensor equal for all; mean 4/3,
+  # delta = |F - mean| = 4/3, 1/3, 5/3. be: all equal (no division by zero).
+  fisher = {"fr": (jnp.array([[0.0], [1.0], [3.0]]), jnp.full((3, 2), 0.5)),
+            "be": (jnp.full((3, 1), 2.0),)}
+  homophily = jnp.array([0.5, -2.0, 1.0])
+  w = fedspa_lib.hbda_weights(fisher, homophily, jnp.ones(3, bool))
+  np.testing.assert_allclose(w["fr"], _softmin([4 / 3, 1 / 3, 5 / 3]), rtol=1e-6)
+  np.testing.assert_allclose(w["fr"], np.exp(-np.array([0.75, 0, 1])) / np.exp(
+      -np.array([0.75, 0, 1])).sum(), rtol=1e-6)
+  np.testing.assert_allclose(w["be"], [1 / 3] * 3, rtol=1e-6)
+  np.testing.assert_allclose(w["rest"], _softmin([0.5, 2.0, 1.0]), rtol=1e-6)  # |S|
+  # Client 2 does not take part: its (huge) Fisher and S never count.
+  fisher["fr"] = (jnp.array([[0.0], [1.0], [1e6]]), fisher["fr"][1])
+  w = fedspa_lib.hbda_weights(fisher, jnp.array([0.5, -2.0, 1e6]), jnp.array([True, True, False]))
+  np.testing.assert_allclose(w["fr"], [0.5, 0.5, 0.0], rtol=1e-6)  # deltas equal
+  np.testing.assert_allclose(w["rest"], [1 / (1 + math.exp(-1)), math.exp(-1) / (1 + math.exp(-1)),
+                                         0.0], rtol=1e-6)
+  # All Fisher information equal and all S equal: uniform, finite.
+  same = {"fr": (jnp.ones((3, 4)),), "be": (jnp.zeros((3, 4)),)}
+  w = fedspa_lib.hbda_weights(same, jnp.full(3, 0.7), jnp.ones(3, bool))
+  for group in ("fr", "be", "rest"):
+    np.testing.assert_allclose(w[group], [1 / 3] * 3, rtol=1e-6)
+
+
+def test_hbda_groups_leaves_by_exact_name():
+  model = sfpd.SFPD(num_classes=3, hidden=4)
+  params = model.clone(propagate_train=False, propagate_eval=False).init(
+      jax.random.PRNGKey(0), jnp.zeros((1, 5)), None, train=False)
+  groups = fedspa_lib.leaf_groups(params)["params"]
+  for layer in ("layer_0", "layer_1"):
+    assert groups[layer]["att_low_fr"] == groups[layer]["att_high_fr"] == "fr"
+    assert groups[layer]["att_low_be"] == groups[layer]["att_high_be"] == "be"
+    assert {groups[layer][k] for k in ("w_low", "w_high", "w_mlp", "att_mlp", "att_mix")} == {
+        "rest"}
+    assert groups[layer]["balance"] == {"kernel": "rest", "bias": "rest"}
+
+
+def test_aggregators_apply_leaf_weights_tensor_by_tensor():
+  updates = {"a": jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), "b": jnp.array([1.0, 2.0, 9.0])}
+  leaf = {"a": jnp.array([1.0, 1.0, 2.0]), "b": jnp.array([0.0, 1.0, 3.0])}
+  part = jnp.array([True, True, False])
+  avg = aggregators.get("fedavg")
+  u, _, diag = avg.update(updates, avg.init(3), weights=jnp.array([1.0, 3.0, 1.0]),
+                          participating=part, leaf_weights=leaf)
+  np.testing.assert_allclose(u["a"], (1 * updates["a"][0] + 3 * updates["a"][1]) / 4)
+  np.testing.assert_allclose(u["b"], 2.0)  # client 0 has weight 0 on b, client 2 is out
+  # Reported weights: the coordinate-weighted mean over tensors (2 coordinates of a, 1 of b).
+  np.testing.assert_allclose(diag.weights, [2 / 3 * 0.25, 2 / 3 * 0.75 + 1 / 3, 0.0], rtol=1e-6)
+  # FedIA at rho = beta = 1 (alpha = 1/C, full mask) equals FedAvg with the same
+  # leaf weights and uniform base weights.
+  fedia = aggregators.get("fedia")
+  v, _, _ = fedia.update(updates, fedia.init(3), 1.0, 1.0, participating=part, leaf_weights=leaf)
+  w, _, _ = avg.update(updates, avg.init(3), participating=part, leaf_weights=leaf)
+  jax.tree.map(lambda p, q: np.testing.assert_allclose(p, q, rtol=1e-6), v, w)
+  with pytest.raises(ValueError, match="does not take"):
+    aggregators.get("gma").update(updates, aggregators.get("gma").init(3), leaf_weights=leaf)
+  with pytest.raises(ValueError, match="shape"):
+    avg.update(updates, avg.init(3), leaf_weights={"a": jnp.ones(2), "b": jnp.ones(3)})
+
+
+# ----------------------------------------------------------------------------
+# In the simulation.
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shuffled_buckets():
+  """Domains of sizes 90/40/60 in 3 buckets: bucket order is not client order."""
+  sizes = {"chameleon": 90, "squirrel": 40, "crocodile": 60}
+  domain_graphs = {d: fake_domain(n, 2 * n, 5, 8, i) for i, (d, n) in enumerate(sizes.items())}
+  cfg = config.load_preset("wikinet", hidden=8, max_buckets=3)
+  return cfg, data.build_federation(cfg, domain_graphs, seeds=[0])
+
+
+def test_fedspa_runs_on_its_own_backbone(shuffled_buckets):
+  cfg, federation = shuffled_buckets
+  sim = simulation.make_simulation(cfg, federation, method="fedspa", method_hparams=HP)
+  assert isinstance(sim.model, sfpd.SFPD) and sim.model.num_layers == 2
+  assert sim.model.dropout == 0.1 and sim.model.hidden == 8
+
+
+def test_vmapped_clients_equal_python_loop_uploads_included(shuffled_buckets):
+  cfg, federation = shuffled_buckets
+  assert len(federation.bucket_clients) > 1
+  sim = simulation.make_simulation(cfg, federation, method="fedspa", method_hparams=HP)
+  batch = jax.device_put(cells_lib.Cells([cells_lib.cell("fedavg")]).batch())
+  state = sim.init(np.array([0], np.int32), batch)[0]
+  params = jax.tree.map(lambda leaf: leaf[0, 0], state.params)
+  shards = jax.tree.map(lambda leaf: leaf[0], simulation.sim_data(federation).client_shards)
+  keys = simulation.client_keys(jax.random.PRNGKey(1), 0, federation.num_clients)
+  run = lambda update, backend: simulation.for_each_client(
+      update, federation, sim.training_input, params, params, shards, keys, backend=backend)
+  vmapped = jax.jit(lambda: run(sim.local_update, "vmap"))()
+  looped = run(jax.jit(sim.local_update), "loop")
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               vmapped, looped)
+  assert np.all(np.diff(np.asarray(vmapped.upload["homophily"])) != 0)  # per client
+
+
+def _final_params(cfg, federation, method, cells, rounds=2):
+  sim = simulation.make_simulation(cfg, federation, method=method, method_hparams=HP)
+  batch = jax.device_put(cells.batch())
+  state = sim.init(np.array(federation.seeds, np.int32), batch)
+  state, metrics = sim.run_chunk(state, np.int32(0), batch, simulation.sim_data(federation),
+                                 num_rounds=rounds)
+  return [s.params for s in state], metrics
+
+
+@pytest.mark.parametrize("method", ["fedspa", "fedspa_nohbda"])
+def test_plus_fedia_at_rho1_beta1_equals_the_method(shuffled_buckets, method):
+  cfg, federation = shuffled_buckets
+  cells = cells_lib.Cells([cells_lib.cell("fedia", rho=1.0, beta=1.0, label="+FedIA"),
+                           cells_lib.cell("fedia", rho=0.5, beta=0.5, label="+FedIA 0.5"),
+                           cells_lib.cell("fedavg")])
+  (fedia, base), metrics = _final_params(cfg, federation, method, cells)
+  close = lambda a, b: np.testing.assert_allclose(a[:, 0], b[:, 0], rtol=1e-4, atol=1e-6)
+  jax.tree.map(close, fedia, base)
+  far = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a[:, 1] - b[:, 0]))), fedia, base)
+  assert max(jax.tree.leaves(far)) > 1e-4  # rho = 0.5 differs
+  weights = np.asarray(metrics.alpha[0, -1])  # the base cell's [T, C]
+  if method == "fedspa_nohbda":  # uniform
+    np.testing.assert_allclose(weights, 1 / federation.num_clients, rtol=1e-6)
+  else:  # HBDA: not uniform, a distribution
+    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+    assert np.ptp(weights) > 1e-4
+
+
+def test_a_client_left_out_has_no_hbda_weight(tiny_wikinet):
+  cfg = config.load_preset("wikinet", hidden=8, max_buckets=1, participation=0.5)
+  federation = data.build_federation(cfg, tiny_wikinet, seeds=[0])
+  _, metrics = _final_params(cfg, federation, "fedspa", cells_lib.Cells([cells_lib.cell("fedavg")]),
+                             rounds=3)
+  weights = np.asarray(metrics.alpha[0, 0])  # [T, C]
+  np.testing.assert_array_equal((weights > 0).sum(-1), 3)
+  np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_short_run_on_real_wikinet(raw_dir):
+  domain_graphs, _ = data.load_dataset("wikinet", raw_dir)
+  cfg = config.load_preset("wikinet")
+  federation = data.build_federation(cfg, domain_graphs, seeds=[0])
+  cells = cells_lib.Cells([cells_lib.cell("fedia", rho=0.5, beta=0.5), cells_lib.cell("fedavg")])
+  sim = simulation.make_simulation(cfg, federation, method="fedspa")
+  batch = jax.device_put(cells.batch())
+  state = sim.init(np.array([0], np.int32), batch)
+  _, metrics = sim.run_chunk(state, np.int32(0), batch, simulation.sim_data(federation),
+                             num_rounds=3)
+  acc = np.asarray(metrics.test_acc[0])  # [G', T, D]
+  assert np.all(np.isfinite(acc)) and np.all(np.isfinite(np.asarray(metrics.train_loss)))
+  assert np.all(np.asarray(metrics.predicted_classes[0, :, -1]) > 1)
+  assert acc[:, -1].mean() > 0.25  # 5 balanced classes: chance is 0.2
+  print("FedSPA / +FedIA AVG test accuracy after 3 rounds:", acc[:, -1].mean(-1))
