@@ -340,7 +340,7 @@ def test_short_run_on_real_wikinet(raw_dir):
   domain_graphs, _ = data.load_dataset("wikinet", raw_dir)
   cfg = config.load_preset("wikinet")
   federation = data.build_federation(cfg, domain_graphs, seeds=[0])
-  cells = cells_lib.Cells([cells_lib.cell("fedia", rho=0.5, beta=0.5), cells_lib.cell("fedavg")])
+  cells = cells_lib.Cells([cells_lib.cell("fedavg")])  # one cell: one compile of the round
   sim = simulation.make_simulation(cfg, federation, method="fedspa")
   batch = jax.device_put(cells.batch())
   state = sim.init(np.array([0], np.int32), batch)
@@ -350,4 +350,4 @@ def test_short_run_on_real_wikinet(raw_dir):
   assert np.all(np.isfinite(acc)) and np.all(np.isfinite(np.asarray(metrics.train_loss)))
   assert np.all(np.asarray(metrics.predicted_classes[0, :, -1]) > 1)
   assert acc[:, -1].mean() > 0.25  # 5 balanced classes: chance is 0.2
-  print("FedSPA / +FedIA AVG test accuracy after 3 rounds:", acc[:, -1].mean(-1))
+  print("FedSPA AVG test accuracy after 3 rounds:", acc[:, -1].mean(-1))
