@@ -5,8 +5,9 @@ simulation runs it for every client of a round at once (``for_each_client``:
 a ``vmap`` per size bucket) and the steps in a ``lax.scan``.
 
 A method (``methods.Method``: FedProx, MOON, FedDyn, SCAFFOLD...) adds its term
-to the local loss, sees everything the client sees (``methods.ClientContext``)
-and, after the last step, gives the client's new state and its upload.
+to the local loss (and may weigh the cross-entropy: ``Method.ce_weight``),
+sees everything the client sees (``methods.ClientContext``) and, after the
+last step, gives the client's new state and its upload.
 
 References:
   FedIA paper, Sec. 3.1 (descent convention u_k = -(W_k - W)/eta) and
@@ -38,7 +39,7 @@ class ClientOutput(NamedTuple):
     update: the client update u_k = -(W_k - W_start)/eta (a pytree shaped like
       the model; W_start the model it started from).
     losses: f32[local_steps] the masked mean cross-entropy before each step
-      (without the method's term).
+      (without the method's term or weight).
     client_state: its new per-client state (kept only if it took part).
     upload: what it sends besides the update (``()`` for most methods).
   """
@@ -86,7 +87,8 @@ def make_local_update(model: NodeClassifier, config: Config, method: methods_lib
     cross_entropy = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, ctx.y),
                                 ctx.train_mask)
     extra = method.local_loss(params, StepOutput(hidden, logits), ctx)
-    return cross_entropy + extra, cross_entropy
+    # The method may weigh the cross-entropy (FedProc); 1 for the others (x * 1 == x exactly).
+    return method.ce_weight(ctx) * cross_entropy + extra, cross_entropy
 
   def local_update(start_params, global_params, x, y, train_mask, groups, graph, key,
                    client_state=(), server_state=()):

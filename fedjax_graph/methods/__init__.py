@@ -23,6 +23,9 @@ mean of the client updates:
   SCAFFOLD    u replaces the uniform mean, for the model and for the server
               control variate: W <- W - eta_g eta u;
               c <- c + (|S|/N) (u / K - c) (the mean of c_k+ - c_k, option II).
+  FedProto    as FedAvg; the per-class mean of the uploaded prototypes stays
+              the method's (an aggregator sees model updates only).
+  FedProc     as FedProto (its alpha_t schedule is client-side).
   ==========  ===================================================================
 
 Per-client state never changes for a client that did not take part in the
@@ -40,6 +43,8 @@ from fedjax_graph.methods.defaults import METHODS_FILE, check_method_config, met
 from fedjax_graph.methods.fedavg import fedavg
 from fedjax_graph.methods.feddyn import feddyn
 from fedjax_graph.methods.fedopt import SERVER_OPTIMIZERS, fedopt
+from fedjax_graph.methods.fedproc import fedproc
+from fedjax_graph.methods.fedproto import fedproto
 from fedjax_graph.methods.fedprox import fedprox
 from fedjax_graph.methods.local import local
 from fedjax_graph.methods.moon import cosine_similarity, moon, moon_loss
@@ -48,9 +53,10 @@ from fedjax_graph.models import NodeClassifier
 
 REGISTRY: dict[str, Callable[..., Method]] = {
     "fedavg": fedavg, "fedprox": fedprox, "moon": moon, "feddyn": feddyn, "fedopt": fedopt,
-    "scaffold": scaffold, "local": local}
+    "scaffold": scaffold, "fedproto": fedproto, "fedproc": fedproc, "local": local}
 DISPLAY = {"fedavg": "FedAvg", "fedprox": "FedProx", "moon": "MOON", "feddyn": "FedDyn",
-           "fedopt": "FedOpt", "scaffold": "SCAFFOLD", "local": "Local"}
+           "fedopt": "FedOpt", "scaffold": "SCAFFOLD", "fedproto": "FedProto",
+           "fedproc": "FedProc", "local": "Local"}
 REFERENCE_METHODS = ("local",)
 # The federated base methods (what tables run "alone and +FedIA").
 METHODS = {name: f for name, f in REGISTRY.items() if name not in REFERENCE_METHODS}

@@ -12,6 +12,9 @@ client_init / client_step / client_final split, optax's style):
   * ``local_loss(params, step, ctx) -> f32[]``: the term added to the
     client's cross-entropy at each local step; ``step`` holds the current
     model's hidden representation and logits (``StepOutput``).
+  * ``ce_weight(ctx) -> f32[]``: the weight of that cross-entropy in the
+    local objective (``ce_weight * CE + local_loss``); 1 unless a method
+    weighs it (FedProc's 1 - alpha_t).
   * ``client_final(ctx, params, update) -> (client_state, upload)``: after
     the last step, the client's new state (kept only if it took part) and
     what it uploads besides its model update ``update`` (descent convention,
@@ -92,6 +95,11 @@ class StepOutput(NamedTuple):
   logits: Array
 
 
+def unit_ce_weight(ctx) -> Array:
+  """``Method.ce_weight`` of every method that keeps the cross-entropy as it is: 1."""
+  return jnp.ones((), jnp.float32)
+
+
 class Method(NamedTuple):
   """A method's pure client and server functions (see the module docstring).
 
@@ -103,6 +111,9 @@ class Method(NamedTuple):
       aggregator gets.
     personal: clients train from, and are evaluated with, their own models
       (the per-client state), not the global model (``local``).
+    ce_weight: ``ce_weight(ctx) -> f32[]``, the cross-entropy's weight in
+      the local objective (default 1: the objective is CE + local_loss, bit
+      for bit as without the field).
   """
   name: str
   hparams: Mapping[str, Any]
@@ -113,6 +124,7 @@ class Method(NamedTuple):
   client_final: Callable
   server_step: Callable
   personal: bool = False
+  ce_weight: Callable = unit_ce_weight
 
 
 def stateless(params, num_clients) -> MethodState:
