@@ -62,8 +62,8 @@ class ClientContext(NamedTuple):
     groups: i32[N] the batch norm's group of each row (its domain), and
       ``num_groups`` on the rows it leaves out.
     num_groups: D, static.
-    graph: the client's padded shard when the backbone propagates in
-      training, else None.
+    graph: the client's padded ``Shard`` when the backbone propagates in
+      training or the method asks for it (``Method.needs_graph``), else None.
     client_state: this client's row of the per-client state.
     server_state: the method's server state (read only).
     prepared: what ``Method.prepare`` returned (None while preparing).
@@ -87,9 +87,14 @@ class StepOutput(NamedTuple):
   Attributes:
     hidden: f32[N, H] the classifier's input before dropout.
     logits: f32[N, K].
+    key: a PRNG key for the method's own randomness at this step (e.g.
+      FGSSL's augmented views), drawn from the step's key apart from the
+      model's dropout key (``client.METHOD_STREAM``), so it is the same in
+      every cell of a seed (paired runs); None where no step runs.
   """
   hidden: Array
   logits: Array
+  key: Optional[Array] = None
 
 
 class Method(NamedTuple):
@@ -103,6 +108,12 @@ class Method(NamedTuple):
       aggregator gets.
     personal: clients train from, and are evaluated with, their own models
       (the per-client state), not the global model (``local``).
+    needs_graph: the method's client part uses the client's graph, so
+      ``ctx.graph`` is its whole padded ``Shard`` (all rows and edges) also
+      with a backbone that does not propagate in training (PMLP-GCN, MLP),
+      whose own forward pass still ignores it; ``ctx.x`` and the other rows
+      stay what the backbone trains on, the first rows of the shard
+      (``simulation.make_training_input``).
   """
   name: str
   hparams: Mapping[str, Any]
@@ -113,6 +124,7 @@ class Method(NamedTuple):
   client_final: Callable
   server_step: Callable
   personal: bool = False
+  needs_graph: bool = False
 
 
 def stateless(params, num_clients) -> MethodState:
