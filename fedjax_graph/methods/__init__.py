@@ -26,6 +26,7 @@ mean of the client updates:
   FedProto    as FedAvg; the per-class mean of the uploaded prototypes stays
               the method's (an aggregator sees model updates only).
   FedProc     as FedProto (its alpha_t schedule is client-side).
+  FGSSL       as FedAvg (the contrast and distillation terms are client-side only).
   ==========  ===================================================================
 
 Per-client state never changes for a client that did not take part in the
@@ -46,6 +47,7 @@ from fedjax_graph.methods.fedopt import SERVER_OPTIMIZERS, fedopt
 from fedjax_graph.methods.fedproc import fedproc
 from fedjax_graph.methods.fedproto import fedproto
 from fedjax_graph.methods.fedprox import fedprox
+from fedjax_graph.methods.fgssl import fgssl
 from fedjax_graph.methods.local import local
 from fedjax_graph.methods.moon import cosine_similarity, moon, moon_loss
 from fedjax_graph.methods.scaffold import effective_steps, scaffold
@@ -53,10 +55,11 @@ from fedjax_graph.models import NodeClassifier
 
 REGISTRY: dict[str, Callable[..., Method]] = {
     "fedavg": fedavg, "fedprox": fedprox, "moon": moon, "feddyn": feddyn, "fedopt": fedopt,
-    "scaffold": scaffold, "fedproto": fedproto, "fedproc": fedproc, "local": local}
+    "scaffold": scaffold, "fedproto": fedproto, "fedproc": fedproc, "fgssl": fgssl,
+    "local": local}
 DISPLAY = {"fedavg": "FedAvg", "fedprox": "FedProx", "moon": "MOON", "feddyn": "FedDyn",
            "fedopt": "FedOpt", "scaffold": "SCAFFOLD", "fedproto": "FedProto",
-           "fedproc": "FedProc", "local": "Local"}
+           "fedproc": "FedProc", "fgssl": "FGSSL", "local": "Local"}
 REFERENCE_METHODS = ("local",)
 # The federated base methods (what tables run "alone and +FedIA").
 METHODS = {name: f for name, f in REGISTRY.items() if name not in REFERENCE_METHODS}

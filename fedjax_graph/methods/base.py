@@ -65,8 +65,8 @@ class ClientContext(NamedTuple):
     groups: i32[N] the batch norm's group of each row (its domain), and
       ``num_groups`` on the rows it leaves out.
     num_groups: D, static.
-    graph: the client's padded shard when the backbone propagates in
-      training, else None.
+    graph: the client's padded ``Shard`` when the backbone propagates in
+      training or the method asks for it (``Method.needs_graph``), else None.
     client_state: this client's row of the per-client state.
     server_state: the method's server state (read only).
     prepared: what ``Method.prepare`` returned (None while preparing).
@@ -90,9 +90,14 @@ class StepOutput(NamedTuple):
   Attributes:
     hidden: f32[N, H] the classifier's input before dropout.
     logits: f32[N, K].
+    key: a PRNG key for the method's own randomness at this step (e.g.
+      FGSSL's augmented views), drawn from the step's key apart from the
+      model's dropout key (``client.METHOD_STREAM``), so it is the same in
+      every cell of a seed (paired runs); None where no step runs.
   """
   hidden: Array
   logits: Array
+  key: Optional[Array] = None
 
 
 def unit_ce_weight(ctx) -> Array:
@@ -114,6 +119,12 @@ class Method(NamedTuple):
     ce_weight: ``ce_weight(ctx) -> f32[]``, the cross-entropy's weight in
       the local objective (default 1: the objective is CE + local_loss, bit
       for bit as without the field).
+    needs_graph: the method's client part uses the client's graph, so
+      ``ctx.graph`` is its whole padded ``Shard`` (all rows and edges) also
+      with a backbone that does not propagate in training (PMLP-GCN, MLP),
+      whose own forward pass still ignores it; ``ctx.x`` and the other rows
+      stay what the backbone trains on, the first rows of the shard
+      (``simulation.make_training_input``).
   """
   name: str
   hparams: Mapping[str, Any]
@@ -125,6 +136,7 @@ class Method(NamedTuple):
   server_step: Callable
   personal: bool = False
   ce_weight: Callable = unit_ce_weight
+  needs_graph: bool = False
 
 
 def stateless(params, num_clients) -> MethodState:
