@@ -189,7 +189,7 @@ class Simulation(NamedTuple):
   trace_count: list
 
 
-def make_training_input(config: Config, num_domains: int) -> Callable:
+def make_training_input(config: Config, num_domains: int, needs_graph: bool = False) -> Callable:
   """What a client's local steps see of its padded shard, by the backbone's ``training_input``.
 
   Returns ``training_input(shard, train_rows) -> (x f32[..., N', F], y
@@ -207,19 +207,27 @@ def make_training_input(config: Config, num_domains: int) -> Callable:
       whose training nodes are also the batch norm's statistics; with
       ``"all"`` every row, statistics over all of the client's nodes, as
       PMLP's reference code.
+
+  With ``needs_graph`` (``Method.needs_graph``: a method whose client part
+  uses the client's edges, e.g. FGSSL) ``graph`` is the whole padded shard
+  for every backbone; the other outputs are unchanged (for ``rows`` with
+  ``norm_rows: train`` still the first ``train_rows`` rows of the shard, so
+  the cross-entropy and its dropout masks are those of the plain method). A
+  ``rows`` backbone still ignores the graph in its own forward pass.
   """
   kind = models.BACKBONES[config.backbone].training_input
   if kind not in ("graph", "rows"):
     raise ValueError(f"training input {kind!r} of {config.backbone} is not supported")
   rows_only = kind == "rows" and config.norm_rows == "train"
+  with_graph = kind == "graph" or needs_graph
 
   def training_input(shard: Shard, train_rows: int):
+    graph = shard if with_graph else None
     if not rows_only:  # node_domain is D on padding rows
-      return (shard.x, shard.y, shard.train, shard.node_domain,
-              shard if kind == "graph" else None)
+      return shard.x, shard.y, shard.train, shard.node_domain, graph
     cut = lambda a: a[..., :train_rows]
     groups = jnp.where(cut(shard.train), cut(shard.node_domain), num_domains)
-    return shard.x[..., :train_rows, :], cut(shard.y), cut(shard.train), groups, None
+    return shard.x[..., :train_rows, :], cut(shard.y), cut(shard.train), groups, graph
 
   return training_input
 
@@ -375,7 +383,7 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
   eval_labels = models.BACKBONES[config.backbone].eval_labels
   num_clients, num_domains = federation.num_clients, len(federation.domains)
   local_update = make_local_update(model, config, method, num_domains)
-  training_input = make_training_input(config, num_domains)
+  training_input = make_training_input(config, num_domains, method.needs_graph)
   feature_dim = federation.eval_x.shape[-1]
   trace_count = [0]
 

@@ -12,6 +12,9 @@ client_init / client_step / client_final split, optax's style):
   * ``local_loss(params, step, ctx) -> f32[]``: the term added to the
     client's cross-entropy at each local step; ``step`` holds the current
     model's hidden representation and logits (``StepOutput``).
+  * ``ce_weight(ctx) -> f32[]``: the weight of that cross-entropy in the
+    local objective (``ce_weight * CE + local_loss``); 1 unless a method
+    weighs it (FedProc's 1 - alpha_t).
   * ``client_final(ctx, params, update) -> (client_state, upload)``: after
     the last step, the client's new state (kept only if it took part) and
     what it uploads besides its model update ``update`` (descent convention,
@@ -77,8 +80,8 @@ class ClientContext(NamedTuple):
     groups: i32[N] the batch norm's group of each row (its domain), and
       ``num_groups`` on the rows it leaves out.
     num_groups: D, static.
-    graph: the client's padded shard when the backbone propagates in
-      training, else None.
+    graph: the client's padded ``Shard`` when the backbone propagates in
+      training or the method asks for it (``Method.needs_graph``), else None.
     client_state: this client's row of the per-client state.
     server_state: the method's server state (read only).
     prepared: what ``Method.prepare`` returned (None while preparing).
@@ -102,9 +105,19 @@ class StepOutput(NamedTuple):
   Attributes:
     hidden: f32[N, H] the classifier's input before dropout.
     logits: f32[N, K].
+    key: a PRNG key for the method's own randomness at this step (e.g.
+      FGSSL's augmented views), drawn from the step's key apart from the
+      model's dropout key (``client.METHOD_STREAM``), so it is the same in
+      every cell of a seed (paired runs); None where no step runs.
   """
   hidden: Array
   logits: Array
+  key: Optional[Array] = None
+
+
+def unit_ce_weight(ctx) -> Array:
+  """``Method.ce_weight`` of every method that keeps the cross-entropy as it is: 1."""
+  return jnp.ones((), jnp.float32)
 
 
 class Method(NamedTuple):
@@ -118,6 +131,15 @@ class Method(NamedTuple):
       aggregator gets.
     personal: clients train from, and are evaluated with, their own models
       (the per-client state), not the global model (``local``).
+    ce_weight: ``ce_weight(ctx) -> f32[]``, the cross-entropy's weight in
+      the local objective (default 1: the objective is CE + local_loss, bit
+      for bit as without the field).
+    needs_graph: the method's client part uses the client's graph, so
+      ``ctx.graph`` is its whole padded ``Shard`` (all rows and edges) also
+      with a backbone that does not propagate in training (PMLP-GCN, MLP),
+      whose own forward pass still ignores it; ``ctx.x`` and the other rows
+      stay what the backbone trains on, the first rows of the shard
+      (``simulation.make_training_input``).
     leaf_weights: None, or the method's per-tensor client weights from the
       uploads (module docstring).
     recipe: None, or the ``Config`` fields the method fixes (module
@@ -132,6 +154,8 @@ class Method(NamedTuple):
   client_final: Callable
   server_step: Callable
   personal: bool = False
+  ce_weight: Callable = unit_ce_weight
+  needs_graph: bool = False
   leaf_weights: Optional[Callable] = None
   recipe: Optional[Mapping[str, Any]] = None
 
