@@ -63,7 +63,9 @@ def check_methods(names: Sequence[str], aggregators: Sequence[str], config: Conf
   """Checks the method and aggregator lists and every hyper-parameter before anything runs.
 
   Raises:
-    ValueError: naming an unknown, repeated or badly configured method or aggregator.
+    ValueError: naming an unknown, repeated or badly configured method or aggregator,
+      or a method with per-tensor client weights (``Method.leaf_weights``:
+      FedSPA's HBDA) next to an aggregator that cannot take them (GMA, FedHEAL).
   """
   if not names or len(set(names)) != len(names):
     raise ValueError(f"methods = {list(names)}; give at least one, without repeats")
@@ -76,8 +78,12 @@ def check_methods(names: Sequence[str], aggregators: Sequence[str], config: Conf
                      "without repeats")
   model = config.model(2)
   for name in base_methods(names):
-    methods_lib.make_method(name, model, config, defaults["hparams"].get(name, {}))
+    method = methods_lib.make_method(name, model, config, defaults["hparams"].get(name, {}))
     for aggregator in aggregators:
+      if method.leaf_weights is not None and not aggregators_lib.get(aggregator).per_leaf:
+        raise ValueError(f"{name} weighs each parameter tensor by its own client weights "
+                         f"(Method.leaf_weights), which {aggregator} does not take; use "
+                         "fedia, or run it without the leaf weights (fedspa_nohbda)")
       cells_lib.cell(aggregator, **aggregator_setting(defaults, config.dataset, config.setting,
                                                       name, aggregator))  # range checks
 

@@ -15,6 +15,9 @@ HIDDEN = 8     # >= F: the first layer propagates x, the last one h @ W
 # Undirected edges among nodes 0..7 (node 8 has none), both directions.
 _UNDIRECTED = np.array([[0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [1, 5]]).T
 EDGES = np.concatenate([_UNDIRECTED, _UNDIRECTED[::-1]], axis=1)
+# The NodeClassifier backbones (batch norm, CSR graph at evaluation); SFPD's padding
+# and CSR equalities are in tests/test_methods_fedspa.py (it needs a LabelledGraph).
+NODE_CLASSIFIERS = sorted(name for name, b in models.BACKBONES.items() if not b.eval_labels)
 OTHER_EDGES = np.concatenate([np.array([[0, 7], [2, 4]]).T, np.array([[7, 0], [4, 2]]).T], axis=1)
 
 
@@ -64,14 +67,19 @@ class TestMakeModel:
 
   @pytest.mark.parametrize("name", sorted(models.BACKBONES))
   def test_flags(self, name):
-    model = models.make_model(name, num_classes=K, hidden=HIDDEN, num_layers=2, dropout=0.1)
+    norm = "none" if name == "sfpd" else "batch"  # SFPD has no batch norm
+    model = models.make_model(name, num_classes=K, hidden=HIDDEN, num_layers=2, dropout=0.1,
+                              norm=norm)
     assert (model.propagate_train, model.propagate_eval) == models.BACKBONES[name][:2]
     assert (model.num_classes, model.hidden, model.num_layers, model.dropout) == (K, HIDDEN, 2,
                                                                                   0.1)
 
   def test_backbones_table(self):
-    assert models.BACKBONES == {"mlp": (False, False, "rows"), "gcn": (True, True, "graph"),
-                                "pmlp_gcn": (False, True, "rows")}
+    assert models.BACKBONES == {"mlp": (False, False, "rows", False),
+                                "gcn": (True, True, "graph", False),
+                                "pmlp_gcn": (False, True, "rows", False),
+                                "sfpd": (True, True, "graph", True)}
+    assert [name for name, b in models.BACKBONES.items() if b.eval_labels] == ["sfpd"]
 
   def test_unknown_name_raises(self):
     with pytest.raises(ValueError) as err:
@@ -108,7 +116,7 @@ class TestMakeModel:
 
 class TestPaddingInvariance:
 
-  @pytest.mark.parametrize("name", sorted(models.BACKBONES))
+  @pytest.mark.parametrize("name", NODE_CLASSIFIERS)
   @pytest.mark.parametrize("train", [False, True])
   def test_padded_equals_unpadded(self, tight_and_padded, name, train):
     x, tight, padded = tight_and_padded
@@ -120,7 +128,7 @@ class TestPaddingInvariance:
     assert np.all(np.isfinite(small)) and np.all(np.isfinite(big))
     np.testing.assert_allclose(big[:N], small[:N], rtol=1e-5, atol=1e-5)
 
-  @pytest.mark.parametrize("name", sorted(models.BACKBONES))
+  @pytest.mark.parametrize("name", NODE_CLASSIFIERS)
   def test_csr_graph_equals_shard(self, tight_and_padded, name):
     x, _, padded = tight_and_padded
     model = models.make_model(name, num_classes=K, hidden=HIDDEN, num_layers=3)

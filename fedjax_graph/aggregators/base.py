@@ -146,11 +146,14 @@ class Aggregator(NamedTuple):
       participating=None, **hparams) -> (update, new_state, diagnostics)``.
     hparam_specs: ordered ``{name: HParam}``; positional hyper-parameters
       follow this order.
+    per_leaf: ``update`` takes ``leaf_weights`` (module docstring); callers
+      check it before running a method that supplies them.
   """
 
   init: AggregatorInitFn
   update: AggregatorUpdateFn
   hparam_specs: Mapping[str, HParam] = types.MappingProxyType({})
+  per_leaf: bool = False
 
   @property
   def hparams(self) -> Mapping[str, float]:
@@ -362,7 +365,8 @@ def make_aggregator(
         **extra,
     )
 
-  return Aggregator(init=init, update=update, hparam_specs=types.MappingProxyType(dict(specs)))
+  return Aggregator(init=init, update=update, hparam_specs=types.MappingProxyType(dict(specs)),
+                    per_leaf=per_leaf)
 
 
 def check_leaf_weights(leaf_weights: Any, client_updates: ClientUpdates) -> Any:
