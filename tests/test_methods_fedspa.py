@@ -273,6 +273,15 @@ def shuffled_buckets():
   return cfg, data.build_federation(cfg, domain_graphs, seeds=[0])
 
 
+@pytest.fixture(scope="module")
+def one_bucket():
+  """The same domains in one size bucket: a round compiles about 2x faster than with 3."""
+  sizes = {"chameleon": 90, "squirrel": 40, "crocodile": 60}
+  domain_graphs = {d: fake_domain(n, 2 * n, 5, 8, i) for i, (d, n) in enumerate(sizes.items())}
+  cfg = config.load_preset("wikinet", hidden=8, max_buckets=1)
+  return cfg, data.build_federation(cfg, domain_graphs, seeds=[0])
+
+
 def test_fedspa_runs_on_its_own_backbone(shuffled_buckets):
   cfg, federation = shuffled_buckets
   sim = simulation.make_simulation(cfg, federation, method="fedspa", method_hparams=HP)
@@ -308,8 +317,8 @@ def _final_params(cfg, federation, method, cells, rounds=2):
 
 
 @pytest.mark.parametrize("method", ["fedspa", "fedspa_nohbda"])
-def test_plus_fedia_at_rho1_beta1_equals_the_method(shuffled_buckets, method):
-  cfg, federation = shuffled_buckets
+def test_plus_fedia_at_rho1_beta1_equals_the_method(one_bucket, method):
+  cfg, federation = one_bucket
   cells = cells_lib.Cells([cells_lib.cell("fedia", rho=1.0, beta=1.0, label="+FedIA"),
                            cells_lib.cell("fedia", rho=0.5, beta=0.5, label="+FedIA 0.5"),
                            cells_lib.cell("fedavg")])
