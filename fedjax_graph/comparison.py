@@ -90,13 +90,41 @@ def check_methods(names: Sequence[str], aggregators: Sequence[str], config: Conf
                                                       name, aggregator))  # range checks
 
 
+def row_label(method: str, aggregator: Optional[str] = None) -> str:
+  """A table row's name: the method's display name, alone or ``<method>+<aggregator>``.
+
+  ``methods.ROW_DISPLAY`` names a pair otherwise (``fedspa_nohbda`` with
+  ``fedia``: "FedIA (repl.)").
+  """
+  display = methods_lib.DISPLAY[method]
+  if aggregator is None:
+    return display
+  return methods_lib.ROW_DISPLAY.get(
+      (method, aggregator), f"{display}+{aggregators_lib.DISPLAY[aggregator]}")
+
+
+def own_backbones(names: Sequence[str], config: Config, defaults: Mapping) -> dict[str, str]:
+  """``{method: backbone}`` of the methods among ``names`` on a backbone not the config's.
+
+  Read from ``Method.recipe`` (FedSPA: ``sfpd``).
+  """
+  model = config.model(2)
+  out = {}
+  for name in base_methods(names):
+    recipe = methods_lib.make_method(name, model, config,
+                                     defaults["hparams"].get(name, {})).recipe or {}
+    if recipe.get("backbone", config.backbone) != config.backbone:
+      out[name] = recipe["backbone"]
+  return out
+
+
 def method_cells(method: str, aggregators: Sequence[str], settings: Mapping[str, Mapping],
                  select: str) -> cells_lib.Cells:
   """A method's cells: one per aggregator (``fixed``) or each aggregator's grid (``val``), then its own."""
-  display = methods_lib.DISPLAY[method]
+  display = row_label(method)
   out = []
   for aggregator in aggregators:
-    row = f"{display}+{aggregators_lib.DISPLAY[aggregator]}"
+    row = row_label(method, aggregator)
     if select == "fixed":
       out.append(cells_lib.cell(aggregator, label=row, **settings[aggregator]))
     else:
@@ -191,11 +219,15 @@ def _remove_previous(out_dir: pathlib.Path, keys: Sequence[str]) -> None:
                  + [f"{RUNS}/{k}.npz" for k in keys] + [f"heatmap-{k}.png" for k in keys])
 
 
-def _title(config: Config, rounds: int, seeds: Sequence[int], last: int) -> str:
+def _title(config: Config, rounds: int, seeds: Sequence[int], last: int,
+           own: Optional[Mapping[str, Sequence[str]]] = None) -> str:
+  """The table's title; ``own``: ``{backbone: row labels}`` of rows not on the config's backbone."""
   spread = "± std over seeds" if len(seeds) > 1 else f"± std over the last {last} rounds"
   participation = (f", {config.participation:g} of clients per round"
                    if config.participation < 1 else "")
-  return (f"{config.dataset} {config.setting}, {config.backbone}, {rounds} rounds, seeds "
+  backbone = config.backbone + "".join(f" ({b}: {', '.join(labels)})"
+                                       for b, labels in (own or {}).items())
+  return (f"{config.dataset} {config.setting}, {backbone}, {rounds} rounds, seeds "
           f"{list(seeds)}, mean of the last {last} rounds {spread}{participation}")
 
 
@@ -263,6 +295,12 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
   out_dir.mkdir(parents=True, exist_ok=True)
 
   methods = base_methods(method_names)
+  # Rows of a method on its own backbone (FedSPA's SFPD) say so in the title.
+  own = {}
+  for name, backbone in own_backbones(methods, config, defaults).items():
+    own.setdefault(backbone, []).extend(
+        [row_label(name)] + [row_label(name, a) for a in aggregators])
+  title = _title(config, rounds, seeds, last, own)
   hparams = {m: dict(defaults["hparams"].get(m, {})) for m in methods}
   settings = {m: {a: aggregator_setting(defaults, config.dataset, config.setting, m, a)
                   for a in aggregators} for m in methods}
@@ -284,22 +322,22 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
     cells = method_cells(name, aggregators, settings[name], select)
     result = run_cells(config, federation, cells, name, name, hparams[name], rounds, out_dir,
                        setup, controls)
-    display = methods_lib.DISPLAY[name]
+    display = row_label(name)
     rows.append(tables.make_row(result, cells.index(display), name, "base", last))
     for aggregator in aggregators:
       g = tables.select_cell(result, aggregator, select, last)
       row = tables.make_row(result, g, name, f"+{aggregator}", last)
-      rows.append(row._replace(label=f"{display}+{aggregators_lib.DISPLAY[aggregator]}"))
+      rows.append(row._replace(label=row_label(name, aggregator)))
       chosen.setdefault(name, {})[aggregator] = row.hparam_dict
       chosen_val.setdefault(name, {})[aggregator] = tables.validation_avg(result, g, last)
     seconds[name] = float(result.seconds)
     if select == "val" and "fedia" in aggregators:
       tables.plot_grid_heatmap(result, federation.domains, last, out_dir / f"heatmap-{name}.png",
-                               _title(config, rounds, seeds, last), display,
+                               title, display,
                                reported=tables.select_cell(result, "fedia", select, last))
   rows = tables.add_deltas(rows)
   domains = list(federation.domains)
-  title = _title(config, rounds, seeds, last) + f", hyper-parameters {select}"
+  title += f", hyper-parameters {select}"
   tables.plot_table(rows, out_dir / "table.png", title)
   report.write_json(out_dir / "config.json", {**record, "status": "finished",
                                               "selected": chosen, "selected_val_avg": chosen_val,

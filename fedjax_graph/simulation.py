@@ -357,7 +357,8 @@ def make_simulation(config: Config, federation: Federation,
     method, method_hparams: the method and its hyper-parameters (see
       ``methods.make_method``). A method with a ``recipe`` (FedSPA) runs on
       ``config`` with those fields replaced (its own backbone); the local
-      training recipe (lr, steps, momentum) stays the config's.
+      training recipe (lr, steps, momentum) stays the config's. Its
+      ``model_options`` are then set on the model (``model.clone``).
 
   Raises:
     ValueError: for an unknown method or a bad hyper-parameter.
@@ -375,9 +376,11 @@ def make_simulation(config: Config, federation: Federation,
 def _make_simulation(config, federation, diagnostics, method_name, method_hparams):
   model = config.model(federation.num_classes)
   method = methods_lib.make_method(method_name, model, config, method_hparams)
-  if method.recipe:  # the method brings its own backbone (FedSPA's SFPD)
-    config = dataclasses.replace(config, **method.recipe)
-    model = config.model(federation.num_classes)
+  if method.recipe or method.model_options:
+    # The method brings its own backbone (FedSPA's SFPD) or sets attributes of
+    # it; it is built again so that its own forward passes use that model.
+    config = dataclasses.replace(config, **(method.recipe or {}))
+    model = config.model(federation.num_classes).clone(**(method.model_options or {}))
     method = methods_lib.make_method(method_name, model, config, method_hparams)
   eval_labels = models.BACKBONES[config.backbone].eval_labels
   num_clients, num_domains = federation.num_clients, len(federation.domains)

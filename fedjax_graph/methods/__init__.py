@@ -65,7 +65,10 @@ REGISTRY: dict[str, Callable[..., Method]] = {
 DISPLAY = {"fedavg": "FedAvg", "fedprox": "FedProx", "moon": "MOON", "feddyn": "FedDyn",
            "fedopt": "FedOpt", "scaffold": "SCAFFOLD", "fedproto": "FedProto",
            "fedproc": "FedProc", "fgssl": "FGSSL", "fedspa": "FedSPA",
-           "fedspa_nohbda": "FedSPA-noHBDA", "local": "Local"}
+           "fedspa_nohbda": "FedSPA w/o HBDA", "local": "Local"}
+# Table rows named otherwise than "<method>+<aggregator>" (``comparison.row_label``):
+# FedIA in place of FedSPA's HBDA is the FedIA paper's "FedIA (repl.)".
+ROW_DISPLAY = {("fedspa_nohbda", "fedia"): "FedIA (repl.)"}
 REFERENCE_METHODS = ("local",)
 # The federated base methods (what tables run "alone and +FedIA").
 METHODS = {name: f for name, f in REGISTRY.items() if name not in REFERENCE_METHODS}
@@ -107,6 +110,6 @@ def make_method(name: str, model: NodeClassifier, config: Config,
 
 
 __all__ = ["ClientContext", "DISPLAY", "METHODS", "METHODS_FILE", "Method", "MethodState",
-           "REGISTRY", "SERVER_OPTIMIZERS", "StepOutput", "check_method_config",
+           "REGISTRY", "ROW_DISPLAY", "SERVER_OPTIMIZERS", "StepOutput", "check_method_config",
            "cosine_similarity", "effective_steps", "make_method", "method_defaults", "moon_loss",
            "register"]

@@ -27,7 +27,7 @@ client_init / client_step / client_final split, optax's style):
     ``uploads`` (leaves [C, ...], rows of non-participants must be ignored)
     move the global model and the server state.
 
-Two optional fields, for a method whose averaging or backbone is its own:
+Three optional fields, for a method whose averaging or backbone is its own:
 
   * ``leaf_weights(params, uploads, participating) -> pytree``: per
     parameter tensor, client weights f32[C] (shaped like ``params``, the
@@ -41,6 +41,11 @@ Two optional fields, for a method whose averaging or backbone is its own:
     (``{"backbone": "sfpd", "num_layers": 2, ...}``); the simulation builds
     the model, the training input and the evaluation from the config with
     these replaced.
+  * ``model_options``: attributes of the model module that no ``Config``
+    field names, set with ``model.clone(**model_options)`` on the model the
+    simulation builds (after ``recipe``), e.g. FedSPA's ``{"neighbours":
+    "mean"}`` of ``sfpd.SFPD``. The factory is then called again with that
+    model, so the method's own forward passes use it too.
 
 Each method's module builds one with a factory ``factory(model, config,
 **hparams)``; ``methods.make_method`` finds it by name and checks the
@@ -144,6 +149,8 @@ class Method(NamedTuple):
       uploads (module docstring).
     recipe: None, or the ``Config`` fields the method fixes (module
       docstring).
+    model_options: None, or attributes of the model module the method sets
+      (module docstring).
   """
   name: str
   hparams: Mapping[str, Any]
@@ -158,6 +165,7 @@ class Method(NamedTuple):
   needs_graph: bool = False
   leaf_weights: Optional[Callable] = None
   recipe: Optional[Mapping[str, Any]] = None
+  model_options: Optional[Mapping[str, Any]] = None
 
 
 def stateless(params, num_clients) -> MethodState:

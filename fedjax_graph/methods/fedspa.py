@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from fedjax_graph.config import Config
 from fedjax_graph.methods import base
 from fedjax_graph.models import NodeClassifier
-from fedjax_graph.sfpd import ATTENTION_GROUPS
+from fedjax_graph.sfpd import ATTENTION_GROUPS, NEIGHBOURS
 from fedjax_graph.types import Array, PyTree
 
 MINMAX_EPS = 1e-12
@@ -113,14 +113,19 @@ def leaf_groups(params: PyTree) -> PyTree:
 
 def fedspa(model: NodeClassifier, config: Config, hbda: bool = True, proxy_rate: float = 0.2,
            proxy_seed: int = 0, hidden: int = 128, num_layers: int = 2, dropout: float = 0.1,
-           weights: str = "uniform") -> base.Method:
+           neighbours: str = "mean", weights: str = "uniform") -> base.Method:
   """FedSPA (Tan et al., CVPR 2025): the SFPD backbone, uploads for HBDA, HBDA.
 
   Client: the plain cross-entropy on its training nodes (the method lives in
   the backbone and the server), on its own backbone SFPD (``sfpd.SFPD``;
   ``recipe``: ``hidden``, ``num_layers``, ``dropout``, no norm). The local
   recipe stays the dataset's (the house keeps one per dataset; FedSPA's own
-  is SGD lr 0.1, 4 steps per round).
+  is SGD lr 0.1, 4 steps per round). ``neighbours`` (``model_options``,
+  ``sfpd.SFPD.neighbours``): ``mean`` (default) weights each typed
+  neighbour sum by A_lo's 1/(deg_v + 1); ``sum`` keeps the code's
+  unnormalised sums (``agg_func_spa``, ``.sum(1)``; the paper gives no
+  scale). ``mean`` departs from the code because ``sum`` collapses on
+  WikiNet: logits ~1e7 and one class predicted per domain (issue 11).
 
   Upload, besides the model update (extra payload: FedIA's Table 1 calls
   FedSPA's exchange standard, but its server reads these from the clients'
@@ -160,13 +165,17 @@ def fedspa(model: NodeClassifier, config: Config, hbda: bool = True, proxy_rate:
 
   Raises:
     ValueError: for ``proxy_rate`` outside (0, 1], a non-positive width or
-      depth, a dropout outside [0, 1), or ``weights`` other than uniform.
+      depth, a dropout outside [0, 1), ``neighbours`` other than mean or
+      sum, or ``weights`` other than uniform.
   """
-  base.check(0 < proxy_rate <= 1, "fedspa", "proxy_rate", proxy_rate, "in (0, 1]")
-  base.check(hidden >= 1 and num_layers >= 1, "fedspa", "hidden/num_layers",
+  name = "fedspa" if hbda else "fedspa_nohbda"
+  base.check(0 < proxy_rate <= 1, name, "proxy_rate", proxy_rate, "in (0, 1]")
+  base.check(hidden >= 1 and num_layers >= 1, name, "hidden/num_layers",
              (hidden, num_layers), "integers >= 1")
-  base.check(0 <= dropout < 1, "fedspa", "dropout", dropout, "in [0, 1)")
-  base.check(weights == "uniform", "fedspa", "weights", weights,
+  base.check(0 <= dropout < 1, name, "dropout", dropout, "in [0, 1)")
+  base.check(neighbours in NEIGHBOURS, name, "neighbours", neighbours,
+             "'mean' (typed sums weighted by 1/(deg + 1)) or 'sum' (unnormalised, the code's)")
+  base.check(weights == "uniform", name, "weights", weights,
              "'uniform' (HBDA makes the client weights)")
   proxy_key = jax.random.PRNGKey(proxy_seed)
 
@@ -189,18 +198,21 @@ def fedspa(model: NodeClassifier, config: Config, hbda: bool = True, proxy_rate:
     return jax.tree.map(lambda group: per_group[group], leaf_groups(params))
 
   return base.Method(
-      "fedspa" if hbda else "fedspa_nohbda", {"hbda": hbda, "proxy_rate": proxy_rate, "proxy_seed": proxy_seed,
-                 "hidden": hidden, "num_layers": num_layers, "dropout": dropout,
-                 "weights": weights},
+      name,
+      {"hbda": hbda, "proxy_rate": proxy_rate, "proxy_seed": proxy_seed, "hidden": hidden,
+       "num_layers": num_layers, "dropout": dropout, "neighbours": neighbours,
+       "weights": weights},
       True, base.stateless, base.nothing, base.no_loss, client_final,
       base.descent_step(config), leaf_weights=leaf_weights if hbda else None,
       recipe={"backbone": "sfpd", "norm": "none", "hidden": hidden, "num_layers": num_layers,
-              "dropout": dropout})
+              "dropout": dropout},
+      model_options={"neighbours": neighbours})
 
 
 def fedspa_nohbda(model: NodeClassifier, config: Config, proxy_rate: float = 0.2,
                   proxy_seed: int = 0, hidden: int = 128, num_layers: int = 2,
-                  dropout: float = 0.1, weights: str = "uniform") -> base.Method:
+                  dropout: float = 0.1, neighbours: str = "mean",
+                  weights: str = "uniform") -> base.Method:
   """FedSPA with HBDA off (``fedspa(hbda=False)``): alone, the uniform mean; "+FedIA" is "FedIA (repl.)"."""
   return fedspa(model, config, False, proxy_rate, proxy_seed, hidden, num_layers, dropout,
-                weights)
+                neighbours, weights)
