@@ -23,6 +23,10 @@ mean of the client updates:
   SCAFFOLD    u replaces the uniform mean, for the model and for the server
               control variate: W <- W - eta_g eta u;
               c <- c + (|S|/N) (u / K - c) (the mean of c_k+ - c_k, option II).
+  FGGP        u replaces the count-weighted mean of the shared tensors (the
+              classifier is personal: never aggregated, in no aggregator's
+              mask); FINCH, the prototype queue and the kNN prediction are
+              unchanged.
   ==========  ===================================================================
 
 Per-client state never changes for a client that did not take part in the
@@ -41,6 +45,7 @@ from fedjax_graph.methods.fedavg import fedavg
 from fedjax_graph.methods.feddyn import feddyn
 from fedjax_graph.methods.fedopt import SERVER_OPTIMIZERS, fedopt
 from fedjax_graph.methods.fedprox import fedprox
+from fedjax_graph.methods.fggp import fggp
 from fedjax_graph.methods.local import local
 from fedjax_graph.methods.moon import cosine_similarity, moon, moon_loss
 from fedjax_graph.methods.scaffold import effective_steps, scaffold
@@ -48,9 +53,9 @@ from fedjax_graph.models import NodeClassifier
 
 REGISTRY: dict[str, Callable[..., Method]] = {
     "fedavg": fedavg, "fedprox": fedprox, "moon": moon, "feddyn": feddyn, "fedopt": fedopt,
-    "scaffold": scaffold, "local": local}
+    "scaffold": scaffold, "fggp": fggp, "local": local}
 DISPLAY = {"fedavg": "FedAvg", "fedprox": "FedProx", "moon": "MOON", "feddyn": "FedDyn",
-           "fedopt": "FedOpt", "scaffold": "SCAFFOLD", "local": "Local"}
+           "fedopt": "FedOpt", "scaffold": "SCAFFOLD", "fggp": "FGGP", "local": "Local"}
 REFERENCE_METHODS = ("local",)
 # The federated base methods (what tables run "alone and +FedIA").
 METHODS = {name: f for name, f in REGISTRY.items() if name not in REFERENCE_METHODS}
