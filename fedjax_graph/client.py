@@ -5,8 +5,9 @@ simulation runs it for every client of a round at once (``for_each_client``:
 a ``vmap`` per size bucket) and the steps in a ``lax.scan``.
 
 A method (``methods.Method``: FedProx, MOON, FedDyn, SCAFFOLD...) adds its term
-to the local loss, sees everything the client sees (``methods.ClientContext``)
-and, after the last step, gives the client's new state and its upload.
+to the local loss (and may weigh the cross-entropy: ``Method.ce_weight``),
+sees everything the client sees (``methods.ClientContext``) and, after the
+last step, gives the client's new state and its upload.
 
 References:
   FedIA paper, Sec. 3.1 (descent convention u_k = -(W_k - W)/eta) and
@@ -25,6 +26,11 @@ from fedjax_graph.models import NodeClassifier
 from fedjax_graph.types import Array, PyTree
 
 
+# A step's key for the method's own randomness: fold_in(step key, METHOD_STREAM),
+# apart from the dropout keys flax derives from the step key.
+METHOD_STREAM = 2**31 + 2
+
+
 def local_optimizer(config: Config) -> optax.GradientTransformation:
   """SGD with momentum and L2 decay added to the gradient, as torch.optim.SGD(weight_decay=...) does."""
   return optax.chain(optax.add_decayed_weights(config.weight_decay),
@@ -38,7 +44,7 @@ class ClientOutput(NamedTuple):
     update: the client update u_k = -(W_k - W_start)/eta (a pytree shaped like
       the model; W_start the model it started from).
     losses: f32[local_steps] the masked mean cross-entropy before each step
-      (without the method's term).
+      (without the method's term or weight).
     client_state: its new per-client state (kept only if it took part).
     upload: what it sends besides the update (``()`` for most methods).
   """
@@ -70,13 +76,15 @@ def make_local_update(model: NodeClassifier, config: Config, method: methods_lib
       ``simulation.make_training_input``): statistics never cross domains,
       also for the pooled client of the centralised reference.
     graph: the client's padded ``Shard`` when the backbone propagates in
-      training, else None (then only the rows of ``x`` matter).
+      training or the method needs it (``Method.needs_graph``), else None
+      (then only the rows of ``x`` matter).
     key: a PRNG key for this client and round.
     client_state: this client's row of the method's per-client state.
     server_state: the method's server state (read only).
 
   and returns a ``ClientOutput``. The optimiser state is fresh each round and
-  every step draws its own dropout key from ``key``.
+  every step draws its own dropout key from ``key``, and from that the
+  method's key of the step (``StepOutput.key``).
   """
   optimizer = local_optimizer(config)
 
@@ -86,11 +94,10 @@ def make_local_update(model: NodeClassifier, config: Config, method: methods_lib
                                  num_groups=ctx.num_groups)
     cross_entropy = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, ctx.y),
                                 ctx.train_mask)
-    # The method's own randomness (e.g. FGGP's edge sampling) on a stream of
-    # its own, so the dropout masks stay those of every other method.
-    extra = method.local_loss(params, StepOutput(hidden, logits, jax.random.fold_in(key, 1)),
-                              ctx)
-    return cross_entropy + extra, cross_entropy
+    extra = method.local_loss(
+        params, StepOutput(hidden, logits, jax.random.fold_in(key, METHOD_STREAM)), ctx)
+    # The method may weigh the cross-entropy (FedProc); 1 for the others (x * 1 == x exactly).
+    return method.ce_weight(ctx) * cross_entropy + extra, cross_entropy
 
   def local_update(start_params, global_params, x, y, train_mask, groups, graph, key,
                    client_state=(), server_state=()):

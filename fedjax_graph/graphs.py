@@ -103,7 +103,7 @@ def _csr_matmul_vmap(axis_size, in_batched, h, data, indices, indptr):
   return jnp.moveaxis(out, 1, 0), True
 
 
-Graph = Union[Shard, CSRGraph, Array]
+Graph = Union[Shard, CSRGraph]
 
 
 def propagate(h: Array, graph: Graph) -> Array:
@@ -112,19 +112,14 @@ def propagate(h: Array, graph: Graph) -> Array:
   Args:
     h: f32[N, H] node states.
     graph: an unbatched ``Shard`` (padding edges have weight 0 and padding rows
-      self-weight 0, so padding contributes nothing to real rows), a
-      ``CSRGraph`` (not differentiable; for inference on a shared graph), or a
-      dense normalised adjacency f32[N, N] (differentiable in its entries, e.g.
-      FGGP's sampled graph; rows and columns of padding must be 0 but for the
-      diagonal).
+      self-weight 0, so padding contributes nothing to real rows), or a
+      ``CSRGraph`` (not differentiable; for inference on a shared graph).
 
   Returns:
-    f32[N, H]; zero on padding rows (for a dense adjacency: as it says).
+    f32[N, H]; zero on padding rows.
   """
   if isinstance(graph, CSRGraph):
     return _csr_matmul(h, *graph)
-  if isinstance(graph, jax.Array):
-    return graph @ h
   messages = h[graph.senders] * graph.edge_weight[:, None]
   return jax.ops.segment_sum(messages, graph.receivers, num_segments=h.shape[0]) + (
       graph.self_weight[:, None] * h)

@@ -193,11 +193,8 @@ class Simulation(NamedTuple):
   trace_count: list
 
 
-def make_training_input(config: Config, num_domains: int, kind: Optional[str] = None) -> Callable:
+def make_training_input(config: Config, num_domains: int, needs_graph: bool = False) -> Callable:
   """What a client's local steps see of its padded shard, by the backbone's ``training_input``.
-
-  ``kind`` (a method's ``training_input``, e.g. FGGP's ``graph``) overrides
-  the backbone's; None keeps it.
 
   Returns ``training_input(shard, train_rows) -> (x f32[..., N', F], y
   i32[..., N'], train_mask bool[..., N'], groups i32[..., N'], graph)`` for
@@ -214,19 +211,27 @@ def make_training_input(config: Config, num_domains: int, kind: Optional[str] = 
       whose training nodes are also the batch norm's statistics; with
       ``"all"`` every row, statistics over all of the client's nodes, as
       PMLP's reference code.
+
+  With ``needs_graph`` (``Method.needs_graph``: a method whose client part
+  uses the client's edges, e.g. FGSSL) ``graph`` is the whole padded shard
+  for every backbone; the other outputs are unchanged (for ``rows`` with
+  ``norm_rows: train`` still the first ``train_rows`` rows of the shard, so
+  the cross-entropy and its dropout masks are those of the plain method). A
+  ``rows`` backbone still ignores the graph in its own forward pass.
   """
-  kind = kind or models.BACKBONES[config.backbone].training_input
+  kind = models.BACKBONES[config.backbone].training_input
   if kind not in ("graph", "rows"):
     raise ValueError(f"training input {kind!r} of {config.backbone} is not supported")
   rows_only = kind == "rows" and config.norm_rows == "train"
+  with_graph = kind == "graph" or needs_graph
 
   def training_input(shard: Shard, train_rows: int):
+    graph = shard if with_graph else None
     if not rows_only:  # node_domain is D on padding rows
-      return (shard.x, shard.y, shard.train, shard.node_domain,
-              shard if kind == "graph" else None)
+      return shard.x, shard.y, shard.train, shard.node_domain, graph
     cut = lambda a: a[..., :train_rows]
     groups = jnp.where(cut(shard.train), cut(shard.node_domain), num_domains)
-    return shard.x[..., :train_rows, :], cut(shard.y), cut(shard.train), groups, None
+    return shard.x[..., :train_rows, :], cut(shard.y), cut(shard.train), groups, graph
 
   return training_input
 
@@ -380,7 +385,7 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
   method = methods_lib.make_method(method_name, model, config, method_hparams)
   num_clients, num_domains = federation.num_clients, len(federation.domains)
   local_update = make_local_update(model, config, method, num_domains)
-  training_input = make_training_input(config, num_domains, method.training_input)
+  training_input = make_training_input(config, num_domains, method.needs_graph)
   # The tensors every aggregator sees: all but a method's personal ones.
   shared = ((lambda tree: tree) if method.personal_leaves is None else
             (lambda tree: methods_lib.base.select(tree, lambda p: not method.personal_leaves(p))))

@@ -53,8 +53,13 @@ def _outputs(sim, state, updates, cfg):
   """What the clients would send: these updates, and each client's new state from them."""
   num_clients = jax.tree.leaves(updates)[0].shape[0]
 
+  # A two-node client (features as _fixed_server_inputs' model): enough for
+  # methods whose upload is computed from the local model (prototypes).
+  x, y = jnp.ones((2, 8)), jnp.array([0, 1])
+  train, groups = jnp.ones(2, bool), jnp.zeros(2, jnp.int32)
+
   def final(client_state, update):
-    ctx = methods.ClientContext(None, state.params, None, None, None, None, 1, None,
+    ctx = methods.ClientContext(None, state.params, x, y, train, groups, 1, None,
                                 client_state, state.method.server)
     return sim.method.client_final(ctx, jax.tree.map(lambda w, u: w - cfg.lr * u, state.params,
                                                      update), update)

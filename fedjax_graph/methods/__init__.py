@@ -23,6 +23,10 @@ mean of the client updates:
   SCAFFOLD    u replaces the uniform mean, for the model and for the server
               control variate: W <- W - eta_g eta u;
               c <- c + (|S|/N) (u / K - c) (the mean of c_k+ - c_k, option II).
+  FedProto    as FedAvg; the per-class mean of the uploaded prototypes stays
+              the method's (an aggregator sees model updates only).
+  FedProc     as FedProto (its alpha_t schedule is client-side).
+  FGSSL       as FedAvg (the contrast and distillation terms are client-side only).
   FGGP        u replaces the count-weighted mean of the shared tensors (the
               classifier is personal: never aggregated, in no aggregator's
               mask); FINCH, the prototype queue and the kNN prediction are
@@ -44,8 +48,11 @@ from fedjax_graph.methods.defaults import METHODS_FILE, check_method_config, met
 from fedjax_graph.methods.fedavg import fedavg
 from fedjax_graph.methods.feddyn import feddyn
 from fedjax_graph.methods.fedopt import SERVER_OPTIMIZERS, fedopt
+from fedjax_graph.methods.fedproc import fedproc
+from fedjax_graph.methods.fedproto import fedproto
 from fedjax_graph.methods.fedprox import fedprox
 from fedjax_graph.methods.fggp import fggp
+from fedjax_graph.methods.fgssl import fgssl
 from fedjax_graph.methods.local import local
 from fedjax_graph.methods.moon import cosine_similarity, moon, moon_loss
 from fedjax_graph.methods.scaffold import effective_steps, scaffold
@@ -53,9 +60,11 @@ from fedjax_graph.models import NodeClassifier
 
 REGISTRY: dict[str, Callable[..., Method]] = {
     "fedavg": fedavg, "fedprox": fedprox, "moon": moon, "feddyn": feddyn, "fedopt": fedopt,
-    "scaffold": scaffold, "fggp": fggp, "local": local}
+    "scaffold": scaffold, "fedproto": fedproto, "fedproc": fedproc, "fgssl": fgssl,
+    "fggp": fggp, "local": local}
 DISPLAY = {"fedavg": "FedAvg", "fedprox": "FedProx", "moon": "MOON", "feddyn": "FedDyn",
-           "fedopt": "FedOpt", "scaffold": "SCAFFOLD", "fggp": "FGGP", "local": "Local"}
+           "fedopt": "FedOpt", "scaffold": "SCAFFOLD", "fedproto": "FedProto",
+           "fedproc": "FedProc", "fgssl": "FGSSL", "fggp": "FGGP", "local": "Local"}
 REFERENCE_METHODS = ("local",)
 # The federated base methods (what tables run "alone and +FedIA").
 METHODS = {name: f for name, f in REGISTRY.items() if name not in REFERENCE_METHODS}

@@ -12,6 +12,9 @@ client_init / client_step / client_final split, optax's style):
   * ``local_loss(params, step, ctx) -> f32[]``: the term added to the
     client's cross-entropy at each local step; ``step`` holds the current
     model's hidden representation and logits (``StepOutput``).
+  * ``ce_weight(ctx) -> f32[]``: the weight of that cross-entropy in the
+    local objective (``ce_weight * CE + local_loss``); 1 unless a method
+    weighs it (FedProc's 1 - alpha_t).
   * ``client_final(ctx, params, update) -> (client_state, upload)``: after
     the last step, the client's new state (kept only if it took part) and
     what it uploads besides its model update ``update`` (descent convention,
@@ -27,7 +30,7 @@ client_init / client_step / client_final split, optax's style):
 Optional hooks (None: the plain behaviour; see ``Method``) let a method
 extend the model (``extend_params``), keep some of its tensors per client
 (``personal_leaves`` with ``personalise``), see the whole client graph in
-training (``training_input``), draw its own randomness at each step
+training (``needs_graph``), draw its own randomness at each step
 (``StepOutput.key``) and predict otherwise than by the classifier's argmax
 (``predict``).
 
@@ -69,8 +72,8 @@ class ClientContext(NamedTuple):
     groups: i32[N] the batch norm's group of each row (its domain), and
       ``num_groups`` on the rows it leaves out.
     num_groups: D, static.
-    graph: the client's padded shard when the backbone propagates in
-      training, else None.
+    graph: the client's padded ``Shard`` when the backbone propagates in
+      training or the method asks for it (``Method.needs_graph``), else None.
     client_state: this client's row of the per-client state.
     server_state: the method's server state (read only).
     prepared: what ``Method.prepare`` returned (None while preparing).
@@ -94,12 +97,19 @@ class StepOutput(NamedTuple):
   Attributes:
     hidden: f32[N, H] the classifier's input before dropout.
     logits: f32[N, K].
-    key: a PRNG key of this step for the method's own randomness (a stream
-      apart from the step's dropout key); None where no step is running.
+    key: a PRNG key for the method's own randomness at this step (e.g.
+      FGSSL's augmented views), drawn from the step's key apart from the
+      model's dropout key (``client.METHOD_STREAM``), so it is the same in
+      every cell of a seed (paired runs); None where no step runs.
   """
   hidden: Array
   logits: Array
   key: Optional[Array] = None
+
+
+def unit_ce_weight(ctx) -> Array:
+  """``Method.ce_weight`` of every method that keeps the cross-entropy as it is: 1."""
+  return jnp.ones((), jnp.float32)
 
 
 class Method(NamedTuple):
@@ -113,6 +123,15 @@ class Method(NamedTuple):
       aggregator gets.
     personal: clients train from, and are evaluated with, their own models
       (the per-client state), not the global model (``local``).
+    ce_weight: ``ce_weight(ctx) -> f32[]``, the cross-entropy's weight in
+      the local objective (default 1: the objective is CE + local_loss, bit
+      for bit as without the field).
+    needs_graph: the method's client part uses the client's graph, so
+      ``ctx.graph`` is its whole padded ``Shard`` (all rows and edges) also
+      with a backbone that does not propagate in training (PMLP-GCN, MLP),
+      whose own forward pass still ignores it; ``ctx.x`` and the other rows
+      stay what the backbone trains on, the first rows of the shard
+      (``simulation.make_training_input``).
     personal_leaves: ``personal_leaves(path) -> bool`` on a parameter's path
       (``path_names``, e.g. ``("params", "layer_2", "kernel")``): True for the
       tensors each client keeps for itself (FGGP's classifier). They are left
@@ -123,10 +142,6 @@ class Method(NamedTuple):
       client starts its local steps from, given the global model and its row
       of the per-client state (e.g. the global model with the client's own
       personal leaves). None: the global model as it is.
-    training_input: ``graph`` when the method needs the client's whole padded
-      graph in training (every node, its edges) whatever the backbone's own
-      training input (``simulation.make_training_input``); None: the
-      backbone's.
     extend_params: ``extend_params(params, key) -> params``: the global
       model's initial parameters with the method's own added (e.g. FGGP's
       augmentor, under a key of its own); they are trained and aggregated like
@@ -146,9 +161,10 @@ class Method(NamedTuple):
   client_final: Callable
   server_step: Callable
   personal: bool = False
+  ce_weight: Callable = unit_ce_weight
+  needs_graph: bool = False
   personal_leaves: Optional[Callable[[tuple], bool]] = None
   personalise: Optional[Callable] = None
-  training_input: Optional[str] = None
   extend_params: Optional[Callable] = None
   predict: Optional[Callable] = None
 

@@ -3,14 +3,17 @@
 Client (FGL_METHODS.md §4(b)): each round a second view of the client's graph
 is built from the global model's features: every node's 3 cosine nearest
 neighbours and a self-loop, OR-ed with the client's edges (A'). An augmentor
-(two bias-free GCN layers V1, V2 over A''s normalisation) scores every pair,
-S = H H^T, and samples a graph from P = alpha S / max S + (1 - alpha) A'
-(relaxed Bernoulli, straight-through). The local loss is
+(two bias-free GCN layers V1, V2 over A''s normalisation) scores the pairs
+of A' only (a fixed, padded list of at most E + 3N + N pairs, never the N x N
+matrix), S_uv = <h_u, h_v>, and samples a graph on them from P = alpha S /
+max S + (1 - alpha) A' (relaxed Bernoulli, straight-through). The local loss
+is
 
   L = CE(view 1) + CE(view 2) + L_pa + L_ga,
 
 L_pa aligning the two views' class prototypes (pseudo-label weighted) and
-L_ga the augmentor's weighted BCE reconstruction of A'. Upload: the final
+L_ga the augmentor's weighted BCE reconstruction of A' (against sampled
+negative pairs). Upload: the final
 local model's class prototypes, keyed by class. Server: per class, FINCH
 over the clients' prototypes; the clusters' means, L2-normalised, enter a
 circular queue. Prediction: the k nearest queue entries of a node's global
@@ -25,10 +28,13 @@ References:
   2021: the augmentor, its edge probabilities and the BCE weights.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_graph import graphs
 from fedjax_graph.config import Config
 from fedjax_graph.methods import base, fggp_server, prototypes
 from fedjax_graph.models import NodeClassifier
@@ -36,89 +42,184 @@ from fedjax_graph.types import Array
 
 # float32's eps, as pyro's clamp_probs: keeps logit(p) finite where S = 0 or P = 1.
 _EPS = float(jnp.finfo(jnp.float32).eps)
+# Rows of the cosine-similarity matrix computed at once by ``knn_indices``.
+KNN_BLOCK = 512
 
 
-def knn_view(features: Array, real: Array, senders: Array, receivers: Array,
-             neighbours: int) -> Array:
-  """A' bool[N, N]: the client's edges OR each node's cosine nearest neighbours OR a self-loop.
+class Candidates(NamedTuple):
+  """A client's candidate pairs: its edges, its nodes' nearest neighbours and self-loops, unordered, once each.
+
+  M = E + kN + N slots (E the shard's padded edge count, k neighbours, N
+  rows), sorted by ``key``; a slot is a pair u <= v.
+
+  Attributes:
+    u, v: i32[M] the pair's nodes, u <= v (u = v: a self-loop).
+    valid: bool[M] a real pair, first of its duplicates.
+    key: i32[M] u N + v on valid slots, N^2 elsewhere; ascending (for
+      ``jnp.searchsorted``).
+  """
+  u: Array
+  v: Array
+  valid: Array
+  key: Array
+
+
+def knn_indices(features: Array, real: Array, neighbours: int,
+                block: int = KNN_BLOCK) -> tuple[Array, Array]:
+  """Each node's ``neighbours`` cosine nearest real nodes (self excluded), ``block`` rows at a time.
 
   Args:
     features: f32[N, H] the global model's node features.
     real: bool[N] real (not padding) nodes.
-    senders, receivers: i32[E] the client's directed edges (padding edges
-      point at a padding node).
-    neighbours: how many nearest neighbours per node (self excluded), static;
-      cosine similarities are compared rounded to 5 decimals.
+    neighbours: k, static, <= N.
+    block: rows per block, static: memory O(block N), not O(N^2).
 
   Returns:
-    A'[i, j] True for an edge i -> j, j one of i's neighbours (a directed
-    kNN link, as sklearn's ``kneighbors_graph``), or i = j; False on every
-    row and column of padding.
+    (nearest i32[N, k], found bool[N, k]): ``found`` is False where fewer
+    than k other real nodes exist. Similarities are compared rounded to 5
+    decimals, so float noise (a batched and an unbatched product differ in
+    the last bits) cannot flip a near-tie, e.g. between the all-zero features
+    of dead ReLUs; exact ties go to the lower index (top_k's rule).
   """
   n = features.shape[0]
-  unit = features / jnp.sqrt(jnp.maximum(jnp.sum(features**2, -1, keepdims=True), 1e-24))
-  others = real[None, :] & ~jnp.eye(n, dtype=bool)
-  # Rounded, so float noise (a batched and an unbatched product differ in the
-  # last bits) cannot flip a near-tie, e.g. between the all-zero features of
-  # dead ReLUs; exact ties go to the lower index (top_k's rule).
-  similarity = jnp.round(unit @ unit.T, 5)
-  _, nearest = jax.lax.top_k(jnp.where(others, similarity, -jnp.inf), neighbours)
-  knn = jnp.zeros((n, n), bool).at[jnp.arange(n)[:, None], nearest].set(True)
-  edges = jnp.zeros((n, n), bool).at[senders, receivers].set(True)
-  pairs = real[:, None] & real[None, :]
-  return (edges | knn | jnp.eye(n, dtype=bool)) & pairs
+  unit = fggp_server._normalise(features)
+  block = min(block, n)
+  blocks = -(-n // block)
+  rows = jnp.arange(blocks * block).reshape(blocks, block)
+
+  def one_block(index):
+    similarity = jnp.round(unit[jnp.minimum(index, n - 1)] @ unit.T, 5)
+    others = real[None, :] & (jnp.arange(n)[None, :] != index[:, None])
+    return jax.lax.top_k(jnp.where(others, similarity, -jnp.inf), neighbours)
+
+  top, nearest = jax.lax.map(one_block, rows)
+  top, nearest = top.reshape(-1, neighbours)[:n], nearest.reshape(-1, neighbours)[:n]
+  return nearest.astype(jnp.int32), (top > -jnp.inf) & real[:, None]
 
 
-def sym_normalise(adjacency: Array) -> Array:
-  """D^-1/2 A D^-1/2 with D the row sums (0 where a row is empty)."""
-  degree = jnp.sum(adjacency, axis=1)
-  inv_sqrt = jnp.where(degree > 0, jax.lax.rsqrt(jnp.maximum(degree, 1e-12)), 0.0)
-  return inv_sqrt[:, None] * adjacency * inv_sqrt[None, :]
+def candidate_pairs(senders: Array, receivers: Array, nearest: Array, found: Array,
+                    real: Array) -> Candidates:
+  """The ``Candidates`` of a client: edges, kNN links and self-loops of real nodes, deduplicated.
 
-
-def graph_loss(logits: Array, target: Array, pairs: Array) -> Array:
-  """GAug's weighted BCE of the augmentor's edge logits S against A' (f32[]).
-
-  ``norm_w * mean_{real pairs} [pos_w A' softplus(-S) + (1 - A') softplus(S)]``
-  with n real nodes, e = sum A', ``norm_w = n^2 / (2 (n^2 - e))`` and
-  ``pos_w = (n^2 - e) / e`` (BCEWithLogits with ``pos_weight``).
+  Args:
+    senders, receivers: i32[E] the client's directed edges (padding edges
+      point at a padding node).
+    nearest, found: ``knn_indices``' output, [N, k].
+    real: bool[N].
   """
-  target = jnp.where(pairs, target, False).astype(logits.dtype)
-  n2 = jnp.sum(pairs)
-  edges = jnp.sum(target)
-  pos_weight = (n2 - edges) / jnp.maximum(edges, 1.0)
-  norm_weight = n2 / jnp.maximum(2.0 * (n2 - edges), 1.0)
-  # softplus(S) = S + softplus(-S): one transcendental pass over the N^2 pairs, not two.
-  negative = jax.nn.softplus(-logits)
-  per_pair = negative * (pos_weight * target + 1 - target) + (1 - target) * logits
-  return norm_weight * jnp.sum(jnp.where(pairs, per_pair, 0.0)) / jnp.maximum(n2, 1.0)
+  n, k = nearest.shape
+  nodes = jnp.arange(n, dtype=jnp.int32)
+  a = jnp.concatenate([senders, jnp.repeat(nodes, k), nodes])
+  b = jnp.concatenate([receivers, nearest.reshape(-1), nodes])
+  ok = jnp.concatenate([real[senders] & real[receivers], found.reshape(-1), real])
+  u, v = jnp.minimum(a, b), jnp.maximum(a, b)
+  key = jnp.where(ok, u * n + v, n * n)  # int32: exact for N < 46,341
+  order = jnp.argsort(key)
+  key, u, v = key[order], u[order], v[order]
+  first = jnp.concatenate([jnp.ones((1,), bool), key[1:] != key[:-1]])
+  return Candidates(u, v, (key < n * n) & first, key)
 
 
-def sample_graph(key: Array, scores: Array, target: Array, pairs: Array, alpha: float,
+def pair_graph(shard, pairs: Candidates, weight: Array, real: Array):
+  """The shard with the GCN-normalised symmetric graph I + sum_e w_e (e_uv + e_vu) as its edges.
+
+  Args:
+    shard: the client's ``Shard`` (its edges are replaced).
+    pairs: the ``Candidates``.
+    weight: f32[M] each pair's weight (used on valid non-self pairs only);
+      the result is differentiable in it.
+    real: bool[N].
+
+  Returns:
+    A ``Shard`` with 2M directed edges u -> v and v -> u of weight
+    w / sqrt(d_u d_v), d = 1 + the weighted degree, and self weight 1/d (0
+    on padding rows): D^-1/2 (A + I) D^-1/2, as ``graphs.gcn_weights``.
+  """
+  n = real.shape[0]
+  w = jnp.where(pairs.valid & (pairs.u != pairs.v), weight, 0.0)
+  degree = (1.0 + jax.ops.segment_sum(w, pairs.u, num_segments=n)
+            + jax.ops.segment_sum(w, pairs.v, num_segments=n))
+  inv_sqrt = jax.lax.rsqrt(degree)
+  edge = w * inv_sqrt[pairs.u] * inv_sqrt[pairs.v]
+  return shard._replace(senders=jnp.concatenate([pairs.u, pairs.v]),
+                        receivers=jnp.concatenate([pairs.v, pairs.u]),
+                        edge_weight=jnp.concatenate([edge, edge]),
+                        self_weight=jnp.where(real, 1.0 / degree, 0.0))
+
+
+def _uniform_by_id(key: Array, ids: Array) -> Array:
+  """f32[...] Uniform(eps, 1 - eps), one per id from ``fold_in(key, id)``: independent of the array's shape and order (padding)."""
+  draw = lambda i: jax.random.uniform(jax.random.fold_in(key, i), (), jnp.float32, _EPS, 1 - _EPS)
+  return jax.vmap(draw)(ids.reshape(-1)).reshape(ids.shape)
+
+
+def sample_edges(key: Array, scores: Array, pairs: Candidates, alpha: float,
                  temperature: float) -> Array:
-  """The augmentor's sampled graph, normalised: f32[N, N], differentiable in ``scores``.
+  """The augmentor's sampled edge weights on the candidates, f32[M] in {0, 1}, differentiable in ``scores``.
 
-  P = alpha S / (max S + 1e-6) + (1 - alpha) A', clamped to [eps, 1 - eps];
-  a relaxed Bernoulli sample sigmoid((logit P + Logistic) / temperature),
-  rounded in the forward pass with the soft sample's gradient (pyro's
-  ``RelaxedBernoulliStraightThrough``); its strict upper triangle made
-  symmetric, the diagonal set to 1, padding rows and columns 0 but for it,
-  and D^-1/2 A D^-1/2. The max runs over real pairs only.
+  P = alpha S / (max S + 1e-6) + (1 - alpha) A' on candidate pairs (A' = 1
+  there; the max over valid pairs), clamped to [eps, 1 - eps]; a relaxed
+  Bernoulli sample sigmoid((logit P + Logistic) / temperature), rounded in
+  the forward pass with the soft sample's gradient (pyro's
+  ``RelaxedBernoulliStraightThrough``); 0 on invalid slots and self-loops
+  (the self-loop is always kept, ``pair_graph``). A pair's noise comes from
+  its key, so the sample does not depend on padding.
+
+  Args:
+    key: PRNG key.  scores: f32[M] S_uv = <h_u, h_v>.  pairs: ``Candidates``.
+    alpha: in [0, 1].  temperature: > 0, static.
   """
-  top = jnp.max(jnp.where(pairs, scores, -jnp.inf))
-  probs = alpha * scores / (top + 1e-6) + (1 - alpha) * target.astype(scores.dtype)
-  probs = jnp.clip(probs, _EPS, 1 - _EPS)
-  uniform = jax.random.uniform(key, scores.shape, scores.dtype, _EPS, 1 - _EPS)
+  edge = pairs.valid & (pairs.u != pairs.v)
+  top = jnp.max(jnp.where(edge, scores, -jnp.inf))
+  probs = jnp.clip(alpha * scores / (top + 1e-6) + (1 - alpha), _EPS, 1 - _EPS)
+  uniform = _uniform_by_id(key, pairs.key)
   if temperature == 1.0:
-    # sigmoid(logit p + logit u) = p u / (p u + (1 - p)(1 - u)): no transcendental
-    # function over the N^2 pairs (they dominate a step's cost on a CPU).
+    # sigmoid(logit p + logit u) = p u / (p u + (1 - p)(1 - u)): no transcendental function.
     soft = probs * uniform / (probs * uniform + (1 - probs) * (1 - uniform))
   else:
     soft = jax.nn.sigmoid((jnp.log(probs) - jnp.log1p(-probs) + jnp.log(uniform)
                            - jnp.log1p(-uniform)) / temperature)
   sampled = soft + jax.lax.stop_gradient((soft > 0.5).astype(soft.dtype) - soft)
-  upper = jnp.triu(jnp.where(pairs, sampled, 0.0), 1)
-  return sym_normalise(upper + upper.T + jnp.eye(scores.shape[0], dtype=scores.dtype))
+  return jnp.where(edge, sampled, 0.0)
+
+
+def negative_pairs(key: Array, pairs: Candidates, real: Array, per_node: int) -> tuple[Array, Array, Array]:
+  """``per_node`` random non-candidate partners of each real node: (u i32[N, r], v i32[N, r], valid bool[N, r]).
+
+  Partners are uniform over the real nodes (the first rows of a shard);
+  a draw that hits the node itself or a candidate pair is invalid. Node i's
+  draws come from ``fold_in(key, i)``: they do not depend on padding.
+  """
+  n = real.shape[0]
+  nodes = jnp.arange(n, dtype=jnp.int32)
+  count = jnp.sum(real)
+  draws = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i), (per_node,)))(nodes)
+  partner = jnp.minimum((draws * count).astype(jnp.int32), jnp.maximum(count - 1, 0))
+  u, v = jnp.minimum(nodes[:, None], partner), jnp.maximum(nodes[:, None], partner)
+  key_uv = u * n + v
+  at = jnp.minimum(jnp.searchsorted(pairs.key, key_uv), pairs.key.shape[0] - 1)
+  candidate = pairs.key[at] == key_uv
+  return u, v, real[:, None] & (partner != nodes[:, None]) & ~candidate
+
+
+def graph_loss(positive: Array, positive_valid: Array, negative: Array,
+               negative_valid: Array) -> Array:
+  """GAug's weighted BCE of the edge logits S, restricted to candidate and sampled negative pairs (f32[]).
+
+  The dense loss over all n^2 real pairs, ``norm_w mean [pos_w A' softplus(-S)
+  + (1 - A') softplus(S)]`` with e = sum A', ``pos_w = (n^2 - e) / e`` and
+  ``norm_w = n^2 / (2 (n^2 - e))``, equals ``(mean_{A'} softplus(-S) +
+  mean_{not A'} softplus(S)) / 2``. Here A' is the candidate set (every
+  valid pair, self-loops included) and the second mean is estimated on the
+  sampled negative pairs (``negative_pairs``): ``(masked mean softplus(-S)
+  over candidates + masked mean softplus(S) over negatives) / 2``.
+
+  Args:
+    positive: f32[M] S on the candidate slots; ``positive_valid`` bool[M].
+    negative: f32[...] S on the negative pairs; ``negative_valid`` bool[...].
+  """
+  return 0.5 * (base.masked_mean(jax.nn.softplus(-positive), positive_valid)
+                + base.masked_mean(jax.nn.softplus(negative), negative_valid))
 
 
 def proto_align_loss(view2: Array, view1: Array, present: Array, tau: float) -> Array:
@@ -153,8 +254,9 @@ def pseudo_labelled(logits: Array, y: Array, train_mask: Array, real: Array) -> 
 
 
 def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float = 0.5,
-         alpha: float = 0.5, temperature: float = 1.0, queue_per_class: int = 20, k: int = 40,
-         knn_temperature: float = 0.1, weights: str = "count") -> base.Method:
+         alpha: float = 0.5, temperature: float = 1.0, negatives: int = 4,
+         queue_per_class: int = 20, k: int = 40, knn_temperature: float = 0.1,
+         weights: str = "count") -> base.Method:
   """FGGP (Wan, Huang, Ye, AAAI 2024) as its public code does it, with fixed shapes.
 
   Defaults are the code's (main_graph.py; the paper's text was not
@@ -162,30 +264,49 @@ def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float 
   ``alpha`` 0.5 and ``temperature`` 1, queue of ``queue_per_class`` x K = 20 K
   rows, ``k`` = 40 voters with ``knn_temperature`` 0.1; ``weights: count``
   (the authors' FedAvg weighs clients by node counts; here training-node
-  counts, as every method of this project).
+  counts, as every method of this project). ``negatives`` (4 per node) is
+  ours: the sampled negative pairs of the sparse L_ga (below).
 
-  Client, per round: the kNN view A' (bool[N, N], dense, over the client's
-  real nodes; refreshed every round from the current global model, not every
-  10 rounds as the code, so it needs no per-client [N, N] state), its
-  normalisation A_n and A_n A_n X (the augmentor's first layer has no
-  activation, so H = relu(A_n A_n X V1 V2) and A_n A_n X is fixed for the
-  round). Per local step, besides the backbone's cross-entropy on its usual
-  view: S = H H^T, the sampled graph (``sample_graph``), the second view
-  = the backbone with GCN propagation over the sampled graph in every layer
-  (the code propagates its classifier layer over A' instead), CE2 on it,
-  L_pa between the two views' prototypes (``proto_align_loss``) and L_ga
-  (``graph_loss``). Prototypes are ``prototypes.class_prototypes`` of each
-  view's hidden features (the classifier's input) with pseudo-labels and
-  confidence weights from view 1's logits (``pseudo_labelled``; the weights
-  are constants here, the code lets gradients flow through them). Batch
-  norm takes the statistics of all the client's real nodes (pseudo-labels
-  need every node). The step's own randomness (edge sampling, view-2
-  dropout) comes from ``StepOutput.key``.
+  Client, per round (``prepare``): the global model's features of the
+  client's nodes, each node's 3 cosine nearest neighbours (``knn_indices``,
+  dense products in blocks of ``KNN_BLOCK`` rows: O(512 N) memory) and the
+  candidate pairs A' = the client's edges OR the kNN links OR self-loops
+  (``candidate_pairs``: a fixed, padded list of E + 3N + N pairs, not the
+  N x N matrix); A' is refreshed every round from the current global model
+  (the code: every 10 rounds), so it needs no per-client state. The
+  augmentor (two bias-free layers V1, V2, GCN propagation over symmetric A',
+  ``pair_graph``) has no activation after its first layer, so H = relu(A_n
+  A_n X V1 V2) and A_n A_n X is fixed for the round.
+
+  Per local step (``local_loss``): view 1 = the backbone in training mode
+  over all the client's real nodes (batch norm over every real node: the
+  pseudo-labels need every node, as the code), CE on its training nodes;
+  S_uv = <h_u, h_v> on the candidate pairs only; the sampled graph
+  (``sample_edges``: P, the relaxed-Bernoulli straight-through sample) over
+  the candidates; view 2 = the backbone with GCN propagation over the
+  sampled graph in every layer (``pair_graph``: a segment_sum over the 2M
+  padded edges; the code propagates only its classifier layer over A'), CE2
+  on it; L_pa between the two views' prototypes (``proto_align_loss``) and
+  L_ga (``graph_loss``: positives = the candidates, negatives = ``negatives``
+  random non-candidate partners per node, drawn each step). So
+
+    L = CE(view 1) + CE(view 2) + L_pa + L_ga,
+
+  and the backbone's own cross-entropy on its training input is weighed 0
+  (``Method.ce_weight``; it is still what ``ClientOutput.losses`` report).
+  Restricting the augmentor to candidate pairs is ours (the code scores all
+  N^2 pairs; a pair outside A' can be sampled there): it keeps every tensor
+  O(E + N) per client. Prototypes are ``prototypes.class_prototypes`` of
+  each view's hidden features (the classifier's input) with pseudo-labels
+  and confidence weights from view 1's logits (``pseudo_labelled``; the
+  weights are constants here, the code lets gradients flow through them).
+  The step's randomness (view-1 and view-2 dropout, edge sampling,
+  negatives) comes from ``StepOutput.key``.
 
   Upload: ``(prototypes f32[K, H], present bool[K])`` of the final local
-  model (deterministic pass, its own pseudo-labels; the code uses the last
-  step's pre-update logits), keyed by class id (the code keys them by row,
-  which shifts class ids when a class is missing).
+  model (deterministic pass over all real nodes, its own pseudo-labels; the
+  code uses the last step's pre-update logits), keyed by class id (the code
+  keys them by row, which shifts class ids when a class is missing).
 
   Server: the descent step for the model (the aggregator's update, in which
   the classifier's is 0); per class FINCH over the participants'
@@ -202,16 +323,17 @@ def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float 
   ``argmax_acc``, is a control, not FGGP's prediction).
 
   Evaluation: the k-nearest-prototype scores of the global model's features
-  (``Method.predict``), which the tables report, as the paper's numbers.
+  (``Method.predict``), which the tables report (``test_acc``), as the
+  paper's numbers; the classifier's argmax beside them (``argmax_acc``).
 
-  Memory: a client holds a handful of dense f32[N, N] arrays per step (N
-  its padded node count); the largest WikiNet client (crocodile in 2, N =
-  5,816) takes about 135 MB per array.
+  Raises:
+    ValueError: a hyper-parameter out of range.
   """
   for name, value, ok, allowed in (
       ("neighbours", neighbours, isinstance(neighbours, int) and neighbours >= 1, "an int >= 1"),
       ("tau", tau, tau > 0, "> 0"), ("alpha", alpha, 0 <= alpha <= 1, "in [0, 1]"),
       ("temperature", temperature, temperature > 0, "> 0"),
+      ("negatives", negatives, isinstance(negatives, int) and negatives >= 1, "an int >= 1"),
       ("queue_per_class", queue_per_class,
        isinstance(queue_per_class, int) and queue_per_class >= 1, "an int >= 1"),
       ("k", k, isinstance(k, int) and k >= 1, "an int >= 1"),
@@ -242,40 +364,52 @@ def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float 
     return base.fill(client_state, params, lambda leaf: leaf)
 
   def real_nodes(ctx):
-    return ctx.groups < ctx.num_groups
+    return ctx.graph.node_domain < ctx.num_groups
+
+  def full_pass(params, ctx, **kw):
+    """The backbone over all the client's rows (``ctx.graph``: the whole shard)."""
+    g = ctx.graph
+    return model.apply(params, g.x, g, with_hidden=True, groups=g.node_domain,
+                       num_groups=ctx.num_groups, **kw)
 
   def prepare(ctx):
     real = real_nodes(ctx)
-    features, _ = model.apply(ctx.global_params, ctx.x, ctx.graph, train=False, with_hidden=True,
-                              groups=ctx.groups, num_groups=ctx.num_groups)
-    target = knn_view(features, real, ctx.graph.senders, ctx.graph.receivers, neighbours)
-    normalised = sym_normalise(target.astype(jnp.float32))
-    return target, normalised @ (normalised @ ctx.x)
+    features, _ = full_pass(ctx.global_params, ctx, train=False)
+    nearest, found = knn_indices(features, real, neighbours)
+    pairs = candidate_pairs(ctx.graph.senders, ctx.graph.receivers, nearest, found, real)
+    view = pair_graph(ctx.graph, pairs, jnp.ones(pairs.u.shape, jnp.float32), real)
+    return pairs, graphs.propagate(graphs.propagate(ctx.graph.x, view), view)
 
   def local_loss(params, step, ctx):
-    target, smoothed = ctx.prepared
-    real = real_nodes(ctx)
-    pairs = real[:, None] & real[None, :]
+    pairs, smoothed = ctx.prepared
+    g, real = ctx.graph, real_nodes(ctx)
+    view1_key, sample_key, negative_key, view2_key = jax.random.split(step.key, 4)
+    hidden1, logits1 = full_pass(params, ctx, train=True, rngs={"dropout": view1_key})
+    cross_entropy = lambda logits: base.masked_mean(
+        optax.softmax_cross_entropy_with_integer_labels(logits, g.y), g.train)
     aug = params["augmentor"]
     h = jax.nn.relu(smoothed @ aug["v1"] @ aug["v2"])
-    scores = h @ h.T
-    sample_key, dropout_key = jax.random.split(step.key)
-    graph = sample_graph(sample_key, scores, target, pairs, alpha, temperature)
-    hidden2, logits2 = second_view.apply(params, ctx.x, graph, train=True,
-                                         rngs={"dropout": dropout_key}, with_hidden=True,
-                                         groups=ctx.groups, num_groups=ctx.num_groups)
-    ce2 = base.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits2, ctx.y),
-                           ctx.train_mask)
-    labels, confidence = pseudo_labelled(step.logits, ctx.y, ctx.train_mask, real)
-    view1, mass = prototypes.class_prototypes(step.hidden, labels, confidence, num_classes)
+    score = lambda u, v: jnp.sum(h[u] * h[v], axis=-1)
+    scores = score(pairs.u, pairs.v)
+    sampled = pair_graph(g, pairs, sample_edges(sample_key, scores, pairs, alpha, temperature),
+                         real)
+    hidden2, logits2 = second_view.apply(params, g.x, sampled, train=True,
+                                         rngs={"dropout": view2_key}, with_hidden=True,
+                                         groups=g.node_domain, num_groups=ctx.num_groups)
+    labels, confidence = pseudo_labelled(logits1, g.y, g.train, real)
+    view1, mass = prototypes.class_prototypes(hidden1, labels, confidence, num_classes)
     view2, _ = prototypes.class_prototypes(hidden2, labels, confidence, num_classes)
-    return (ce2 + proto_align_loss(view2, view1, mass > 0, tau)
-            + graph_loss(scores, target, pairs))
+    neg_u, neg_v, neg_valid = negative_pairs(negative_key, pairs, real, negatives)
+    return (cross_entropy(logits1) + cross_entropy(logits2)
+            + proto_align_loss(view2, view1, mass > 0, tau)
+            + graph_loss(scores, pairs.valid, score(neg_u, neg_v), neg_valid))
+
+  def ce_weight(ctx):
+    return jnp.zeros((), jnp.float32)  # view 1's CE is in local_loss (over the whole graph)
 
   def client_final(ctx, params, update):
-    hidden, logits = model.apply(params, ctx.x, ctx.graph, train=True, deterministic=True,
-                                 with_hidden=True, groups=ctx.groups, num_groups=ctx.num_groups)
-    labels, confidence = pseudo_labelled(logits, ctx.y, ctx.train_mask, real_nodes(ctx))
+    hidden, logits = full_pass(params, ctx, train=True, deterministic=True)
+    labels, confidence = pseudo_labelled(logits, ctx.graph.y, ctx.graph.train, real_nodes(ctx))
     protos, mass = prototypes.class_prototypes(hidden, labels, confidence, num_classes)
     return base.select(params, is_head), (protos, mass > 0)
 
@@ -292,9 +426,9 @@ def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float 
     return fggp_server.knn_scores(hidden, queue, num_classes, k, knn_temperature)
 
   hparams = {"neighbours": neighbours, "tau": tau, "alpha": alpha, "temperature": temperature,
-             "queue_per_class": queue_per_class, "k": k, "knn_temperature": knn_temperature,
-             "weights": weights}
+             "negatives": negatives, "queue_per_class": queue_per_class, "k": k,
+             "knn_temperature": knn_temperature, "weights": weights}
   return base.Method("fggp", hparams, base.weights_uniform(weights), init, prepare, local_loss,
-                     client_final, server_step, personal_leaves=is_head,
-                     personalise=personalise, training_input="graph",
+                     client_final, server_step, ce_weight=ce_weight, needs_graph=True,
+                     personal_leaves=is_head, personalise=personalise,
                      extend_params=extend_params, predict=predict)

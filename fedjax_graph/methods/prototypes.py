@@ -46,8 +46,12 @@ def mean_over_clients(prototypes: Array, present: Array, participating: Array) -
   Returns:
     (global f32[K, H], has bool[K]): a class no participant holds has a zero
     row and ``has`` False (FedProto eq. 6 as all its public codes do it).
+    Rows of clients that do not hold a class or do not participate are never
+    read, so they may be anything, NaN included.
   """
-  holds = (present & participating[:, None]).astype(prototypes.dtype)
+  holds = present & participating[:, None]
   total = jnp.sum(holds, axis=0)
-  mean = jnp.einsum("ck,ckh->kh", holds, prototypes) / jnp.maximum(total, 1.0)[:, None]
-  return mean, total > 0
+  # where, not a 0/1 product: a left-out client's rows may be NaN (a diverged
+  # local model), and 0 * NaN would poison every class.
+  summed = jnp.sum(jnp.where(holds[..., None], prototypes, 0.0), axis=0)
+  return summed / jnp.maximum(total, 1).astype(prototypes.dtype)[:, None], total > 0
