@@ -19,10 +19,12 @@ finch = jax.jit(fggp_server.finch)
 class_clusters = jax.jit(fggp_server.class_clusters)
 enqueue = jax.jit(fggp_server.enqueue)
 knn_scores = jax.jit(fggp_server.knn_scores, static_argnums=(2, 3))
-knn_view = jax.jit(fggp_lib.knn_view, static_argnames="neighbours")
+knn_indices = jax.jit(fggp_lib.knn_indices, static_argnums=(2, 3))
+candidate_pairs = jax.jit(fggp_lib.candidate_pairs)
 graph_loss = jax.jit(fggp_lib.graph_loss)
 proto_align_loss = jax.jit(fggp_lib.proto_align_loss, static_argnums=3)
-sample_graph = jax.jit(fggp_lib.sample_graph, static_argnums=(4, 5))
+sample_edges = jax.jit(fggp_lib.sample_edges, static_argnums=(3, 4))
+negative_pairs = jax.jit(fggp_lib.negative_pairs, static_argnums=3)
 
 close = lambda a, b, **kw: np.testing.assert_allclose(a, b, **{"rtol": 1e-5, "atol": 1e-6, **kw})
 
@@ -108,27 +110,83 @@ def test_init_queue_shape_and_range():
 # ---------------------------------------------------------------- client: view, losses
 
 
-def test_knn_view_ors_edges_neighbours_and_self_loops_on_real_nodes_only():
-  features = jnp.array([[1.0, 0.0], [1.0, 0.1], [0.0, 1.0], [0.1, 1.0], [1.0, 0.0]])
-  real = jnp.array([True, True, True, True, False])
+def _pairs(candidates):
+  """The valid candidate pairs as a set of (u, v), u <= v."""
+  valid = np.asarray(candidates.valid)
+  return set(zip(np.asarray(candidates.u)[valid].tolist(), np.asarray(candidates.v)[valid].tolist()))
+
+
+FEATURES = jnp.array([[1.0, 0.0], [1.0, 0.1], [0.0, 1.0], [0.1, 1.0], [1.0, 0.0]])
+REAL = jnp.array([True, True, True, True, False])
+
+
+def test_candidates_are_edges_neighbours_and_self_loops_of_real_nodes_once_each():
   senders, receivers = jnp.array([0, 2, 4]), jnp.array([2, 0, 4])  # 0<->2, a padding edge
-  view = knn_view(features, real, senders, receivers, neighbours=1)
-  expected = np.eye(5, dtype=bool)
-  for i, j in ((0, 1), (1, 0), (2, 3), (3, 2), (0, 2), (2, 0)):
-    expected[i, j] = True
-  expected[4, 4] = False
-  np.testing.assert_array_equal(view, expected)
+  nearest, found = knn_indices(FEATURES, REAL, 1, 2)  # blocks of 2 rows (the last one padded)
+  np.testing.assert_array_equal(nearest[:4, 0], [1, 0, 3, 2])
+  np.testing.assert_array_equal(found[:, 0], REAL)
+  whole = knn_indices(FEATURES, REAL, 1, 512)  # one block: the same
+  np.testing.assert_array_equal(whole[0], nearest)
+  candidates = candidate_pairs(senders, receivers, nearest, found, REAL)
+  assert candidates.u.shape == (3 + 5 + 5,)  # E + kN + N slots
+  assert _pairs(candidates) == {(0, 1), (2, 3), (0, 2), (0, 0), (1, 1), (2, 2), (3, 3)}
+  keys = np.asarray(candidates.key)
+  assert np.all(np.diff(keys) >= 0) and np.all(keys[~np.asarray(candidates.valid)] >= 0)
+  # A lone real node has no neighbour: found is False, only its self-loop is a candidate.
+  _, found = knn_indices(FEATURES, jnp.array([True, False, False, False, False]), 1, 512)
+  assert not found.any()
+
+
+def test_pair_graph_is_the_gcn_normalisation_and_the_sample_at_alpha_0_keeps_every_edge():
+  senders, receivers = jnp.array([0, 2, 4]), jnp.array([2, 0, 4])
+  candidates = candidate_pairs(senders, receivers, *knn_indices(FEATURES, REAL, 1, 512), REAL)
+  # alpha = 0: P = A' = 1 (clamped) on every candidate pair, so the sample keeps them all.
+  sampled = sample_edges(jax.random.PRNGKey(0), jnp.zeros(candidates.u.shape), candidates, 0.0,
+                         1.0)
+  edge = np.asarray(candidates.valid & (candidates.u != candidates.v))
+  np.testing.assert_array_equal(np.asarray(sampled), edge.astype(np.float32))
+  shard = _client_graph(5 + 1)._replace(x=jnp.eye(6))  # its edges are replaced
+  graph = fggp_lib.pair_graph(shard, candidates, sampled, jnp.append(REAL, False))
+  a = np.eye(6)
+  a[5, 5] = a[4, 4] = 0.0
+  for i, j in ((0, 1), (2, 3), (0, 2)):
+    a[i, j] = a[j, i] = 1.0
+  d = np.maximum(a.sum(1), 1)
+  expected = a / np.sqrt(d)[:, None] / np.sqrt(d)[None, :]
+  close(graphs.propagate(jnp.eye(6), graph), expected)
+  # alpha > 0: the gradient reaches the scores through the soft sample, finite.
+  scores = jax.random.uniform(jax.random.PRNGKey(1), candidates.u.shape)
+  grad = jax.grad(lambda s: jnp.sum(graphs.propagate(jnp.eye(6), fggp_lib.pair_graph(
+      shard, candidates, sample_edges(jax.random.PRNGKey(2), s, candidates, 0.5, 1.0),
+      jnp.append(REAL, False))) ** 2))(scores)
+  assert np.all(np.isfinite(grad)) and np.abs(grad).max() > 0
+
+
+def test_negative_pairs_avoid_candidates_self_and_padding():
+  senders, receivers = jnp.array([0, 2, 4]), jnp.array([2, 0, 4])
+  candidates = candidate_pairs(senders, receivers, *knn_indices(FEATURES, REAL, 1, 512), REAL)
+  u, v, valid = negative_pairs(jax.random.PRNGKey(0), candidates, REAL, 16)
+  pairs = set(zip(np.asarray(u)[np.asarray(valid)].tolist(), np.asarray(v)[np.asarray(valid)].tolist()))
+  # The only real non-candidate pairs: {0,3}, {1,2}, {1,3}; all of them drawn among 4 x 16.
+  assert pairs == {(0, 3), (1, 2), (1, 3)}
+  assert not np.asarray(valid)[4].any()
 
 
 def test_graph_loss_by_hand():
-  target = jnp.array([[1.0, 1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
-  logits = jnp.array([[0.0, 1.0, 50.0], [2.0, 0.0, 50.0], [50.0, 50.0, 50.0]])
-  pairs = jnp.array([True, True, False])
-  pairs = pairs[:, None] & pairs[None, :]
+  positive, negative = jnp.array([0.0, 1.0, 50.0]), jnp.array([[2.0, -1.0], [7.0, 3.0]])
   sp = lambda v: math.log1p(math.exp(v))
-  pos_w, norm_w = 1 / 3, 4 / 2  # n^2 = 4, e = 3
-  expected = norm_w * (pos_w * sp(0) + pos_w * sp(-1) + sp(2) + pos_w * sp(0)) / 4
-  close(graph_loss(logits, target, pairs), expected)
+  expected = 0.5 * ((sp(0) + sp(-1)) / 2 + (sp(2) + sp(-1) + sp(3)) / 3)
+  close(graph_loss(positive, jnp.array([True, True, False]), negative,
+                   jnp.array([[True, True], [False, True]])), expected)
+  # It is the dense weighted BCE (pos_w, norm_w) when the negatives are all non-edges.
+  s = np.array([[0.5, 1.0], [-1.0, 2.0]])
+  target = np.array([[1.0, 0.0], [1.0, 1.0]])
+  n2, e = 4, 3
+  pos_w, norm_w = (n2 - e) / e, n2 / (2 * (n2 - e))
+  dense = norm_w * np.mean(pos_w * target * np.log1p(np.exp(-s))
+                           + (1 - target) * np.log1p(np.exp(s)))
+  close(graph_loss(jnp.array(s[target > 0]), jnp.ones(3, bool), jnp.array(s[target == 0]),
+                   jnp.ones(1, bool)), dense)
 
 
 def test_proto_align_loss_by_hand_with_absent_classes():
@@ -150,24 +208,6 @@ def test_pseudo_labels_and_confidence_weights():
                                              jnp.array([True, True, True, False]))
   np.testing.assert_array_equal(labels[:3], [1, 1, 1])  # y on training nodes, else the argmax
   close(weights, [1.0, 1 / (1 + math.exp(-1)), 1 / (1 + math.exp(-3)), 0.0])
-
-
-def test_sample_graph_is_straight_through_binary_symmetric_and_normalised():
-  n = 6
-  pairs = jnp.arange(n) < 5
-  pairs = pairs[:, None] & pairs[None, :]
-  target = jnp.zeros((n, n), bool).at[0, 1].set(True).at[1, 2].set(True).at[3, 0].set(True)
-  # alpha = 0: P = A' (clamped), so the sample is A' made symmetric from its upper triangle.
-  sampled = sample_graph(jax.random.PRNGKey(0), jnp.zeros((n, n)), target, pairs, 0.0, 1.0)
-  a = np.eye(n)
-  a[0, 1] = a[1, 0] = a[1, 2] = a[2, 1] = 1.0  # 3 -> 0 lies below the diagonal: dropped
-  d = a.sum(1)
-  close(sampled, a / np.sqrt(d)[:, None] / np.sqrt(d)[None, :])
-  # alpha > 0: the gradient reaches the scores through the soft sample, finite.
-  scores = jax.random.uniform(jax.random.PRNGKey(1), (n, n))
-  grad = jax.grad(lambda s: jnp.sum(sample_graph(
-      jax.random.PRNGKey(2), s, target, pairs, 0.5, 1.0) ** 2))(scores)
-  assert np.all(np.isfinite(grad)) and np.abs(grad).max() > 0
 
 
 # ---------------------------------------------------------------- client on a small padded graph
@@ -205,8 +245,9 @@ def _with_ctx(fn):
 def _ctx(method, params, shard):
   state = method.init(params, 1)
   own = jax.tree.map(lambda leaf: leaf[0], state.clients)
-  train_input = simulation.make_training_input(config.load_preset("wikinet"), 1, "graph")
-  x, y, train, groups, graph = train_input(shard, 0)
+  # PMLP-GCN's rows (the 4 training nodes) and, as FGGP needs, the whole shard.
+  train_input = simulation.make_training_input(config.load_preset("wikinet"), 1, needs_graph=True)
+  x, y, train, groups, graph = train_input(shard, 4)
   ctx = methods.ClientContext(params, params, x, y, train, groups, 1, graph, own, state.server)
   return ctx._replace(prepared=_with_ctx(method.prepare)(ctx))
 
@@ -219,8 +260,8 @@ def test_upload_is_keyed_by_class_id_with_absent_classes_zero(small):
           "params", "layer_2", "bias") else leaf, params)
   ctx = _ctx(method, params, _client_graph(8))
   state, (protos, present) = _with_ctx(method.client_final)(ctx, params, None)
-  hidden, logits = model.apply(params, ctx.x, None, train=True, deterministic=True,
-                               with_hidden=True, groups=ctx.groups, num_groups=1)
+  hidden, logits = model.apply(params, ctx.graph.x, None, train=True, deterministic=True,
+                               with_hidden=True, groups=ctx.graph.node_domain, num_groups=1)
   np.testing.assert_array_equal(present, [True, False, True])  # class 1: no node
   np.testing.assert_array_equal(protos[1], 0.0)
   # Node 4 (not training) enters with its own argmax and softmax confidence.
@@ -239,10 +280,7 @@ def test_local_loss_and_upload_do_not_depend_on_padding(small):
   out = []
   for n_node in (8, 24):
     ctx = _ctx(method, params, _client_graph(n_node))
-    hidden, logits = jax.jit(lambda p, x, g: model.apply(
-        p, x, None, train=True, deterministic=True, with_hidden=True, groups=g,
-        num_groups=1))(params, ctx.x, ctx.groups)
-    step = methods.StepOutput(hidden, logits, jax.random.PRNGKey(3))
+    step = methods.StepOutput(None, None, jax.random.PRNGKey(3))  # FGGP runs its own view 1
     loss, grads = _with_ctx(lambda c, p: jax.value_and_grad(
         lambda q: method.local_loss(q, step, c))(p))(ctx, params)
     out.append((loss, grads, _with_ctx(method.client_final)(ctx, params, None)[1]))
@@ -251,8 +289,9 @@ def test_local_loss_and_upload_do_not_depend_on_padding(small):
   close(loss8, loss24, rtol=1e-4)
   jax.tree.map(lambda a, b: close(a, b, rtol=1e-3, atol=1e-5), grads8, grads24)
   jax.tree.map(lambda a, b: close(a, b, rtol=1e-4), up8, up24)
-  # The augmentor is trained by the loss.
+  # The augmentor is trained by the loss; the backbone's own CE is weighed 0 (view 1's is inside).
   assert np.abs(grads8["augmentor"]["v1"]).max() > 0
+  assert float(method.ce_weight(None)) == 0.0
 
 
 # ---------------------------------------------------------------- the round: aggregation, +FedIA
@@ -364,9 +403,8 @@ ROUNDS = 2
 
 def test_fggp_plus_fedia_on_real_wikinet(raw_dir, prepared_cache):
   graphs_, _ = data.load_dataset("wikinet", raw_dir=raw_dir, cache_dir=prepared_cache)
-  # Smaller clients than the preset's (dense N x N views), still the real graphs.
-  cfg = config.load_preset("wikinet", clients_per_domain={"chameleon": 8, "squirrel": 16,
-                                                          "crocodile": 32}, max_buckets=1)
+  # The preset's 6 clients (crocodile's two: N = 5,824 each), a narrow model to keep it short.
+  cfg = config.load_preset("wikinet", hidden=8, local_steps=2)
   federation = data.build_federation(cfg, graphs_, seeds=[0])
   sim = simulation.make_simulation(cfg, federation, method="fggp")
   cells = cells_lib.Cells([cells_lib.cell("fedia", rho=0.5, beta=0.5)])  # FGGP+FedIA
