@@ -1,6 +1,7 @@
 r"""FedAvg, FedAvg+IM and FedAvg+IM+CAM (FedIA) per setting: the paper's Table 6.
 
   python experiments/ablation.py --dataset twitch --settings s1,s3 --seeds 0,1,2
+  python experiments/ablation.py --dataset wikinet --aggregators fedia,gma,fedheal
 
 One compiled sweep per setting runs the three aggregations for all seeds, at
 FedAvg's (rho, beta) from configs/methods/defaults.yaml (the paper's Table 7).
@@ -16,7 +17,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from fedjax_graph import cli, methods  # noqa: E402
-from fedjax_graph.comparison import resume_ablation, run_ablation  # noqa: E402
+from fedjax_graph.comparison import AGGREGATORS, resume_ablation, run_ablation  # noqa: E402
 from fedjax_graph.rundir import default_out_dir  # noqa: E402
 
 
@@ -25,6 +26,10 @@ def main(argv=None):
   parser.add_argument("--settings", type=cli.str_list, default=None,
                       help="comma list of presets of --dataset (default: s1,s3 for twitch, "
                            "default for wikinet; --setting X alone means X)")
+  parser.add_argument("--aggregators", type=cli.str_list, default="fedia",
+                      help="comma list holding fedia; each other server rule (from "
+                           f"{', '.join(a for a in AGGREGATORS if a != 'fedia')}) adds a row "
+                           "FedAvg+<rule> to each setting (default: %(default)s)")
   cli.add_method_config_flag(parser, "FedAvg's (rho, beta) per setting")
   args = cli.parse_args(parser, argv)
 
@@ -49,7 +54,7 @@ def main(argv=None):
     args.out = args.out or default_out_dir(configs[0], "ablation")  # so that Ctrl-C can name it
     return run_ablation(configs, args.seeds, args.rounds, cli.last_from_args(args),
                         methods.method_defaults(args.method_config),
-                        cli.run_controls(args, nonfinite="skip"))
+                        cli.run_controls(args, nonfinite="skip"), aggregators=args.aggregators)
 
   cli.guarded(parser, run, args)
 

@@ -190,7 +190,10 @@ def config_from_args(parser: argparse.ArgumentParser, args,
     if args.config is not None:
       if args.dataset or args.setting:
         parser.error("give --config FILE or --dataset/--setting, not both")
-      return load_config(args.config, **preset_overrides(args))
+      try:
+        return load_config(args.config, **preset_overrides(args))
+      except OSError as err:
+        parser.error(f"--config {args.config}: {err.strerror or err}")
     if args.dataset is None:
       parser.error("--dataset or --config FILE is required (unless --resume DIR)")
     return load_preset(args.dataset, setting or args.setting, **preset_overrides(args))
@@ -209,6 +212,9 @@ def preset_overrides(args) -> dict:
     if getattr(args, name, None) is not None:
       overrides[name], by[name] = getattr(args, name), f"--{name}"
   for key, value in getattr(args, "overrides", []):
+    if key in ("dataset", "setting"):
+      raise ValueError(f"--set {key}=... cannot change the {key}: choose it with --{key}, "
+                       "or in the file of --config FILE")
     if key in by:
       raise ValueError(f"{key} is set twice ({by[key]} and --set {key}=...); give it once")
     overrides[key], by[key] = value, "--set"

@@ -31,7 +31,9 @@ from fedjax_graph.sweep import run_sweep
 
 GRID = (0.1, 0.3, 0.5, 0.7, 0.9)  # the paper's search space of each hyper-parameter
 SELECTIONS = ("fixed", "val")
-AGGREGATORS = ("fedia", "gma", "fedheal")  # what a table may put next to a method's own rule
+# What a table may put next to a method's own rule: every registered aggregator but the
+# plain mean (a method's own averaging already is one).
+AGGREGATORS = tuple(name for name in aggregators_lib.REGISTRY if name != "fedavg")
 RUNS = "runs"
 FINISHED = "table.md"
 
@@ -333,11 +335,14 @@ ABLATION = (("FedAvg", cells_lib.BASE), ("FedAvg+IM", "fedia_im"), ("FedAvg+IM+C
 
 def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, last: int,
                  defaults: Optional[Mapping] = None, controls: RunControls = RunControls(),
-                 domain_graphs=None) -> pathlib.Path:
+                 domain_graphs=None, aggregators: Sequence[str] = ("fedia",)) -> pathlib.Path:
   """FedAvg, FedAvg+IM and FedAvg+IM+CAM (= FedIA) per setting (FedIA paper, Table 6).
 
   One compiled sweep per setting runs the three cells for all seeds, with
-  FedAvg's (rho, beta) from ``defaults``. Non-convergence (NaN accuracy or a
+  FedAvg's (rho, beta) from ``defaults``; each aggregator of ``aggregators``
+  other than ``fedia`` (e.g. ``gma``, ``fedheal``) adds a row FedAvg+<rule>
+  to the same sweep, with its hyper-parameters from the ``aggregators``
+  section of ``defaults``. Non-convergence (NaN accuracy or a
   constant prediction through the final rounds) is reported as NC, not as a
   number. Writes ``table.md``/``.csv``/``.tex`` (all settings, one block
   each), ``table.png``, ``config.json`` and ``runs/<setting>.npz``.
@@ -350,10 +355,16 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
   if not configs or len({c.dataset for c in configs}) != 1:
     raise ValueError("give at least one setting, all of one dataset")
   defaults = _checked(defaults)
+  if "fedia" not in aggregators:
+    raise ValueError(f"aggregators = {list(aggregators)}; the ablation is FedIA's, so the list "
+                     "must hold fedia (the others add rows beside it)")
   for config in configs:
-    check_methods(["fedavg"], ["fedia"], config, defaults)
+    check_methods(["fedavg"], aggregators, config, defaults)
   settings = {c.setting: aggregator_setting(defaults, c.dataset, c.setting, "fedavg", "fedia")
               for c in configs}
+  others = {a: aggregator_setting(defaults, configs[0].dataset, configs[0].setting, "fedavg", a)
+            for a in aggregators if a != "fedia"}
+  rows_of = ABLATION + tuple((f"FedAvg+{aggregators_lib.DISPLAY[a]}", a) for a in others)
   out_dir, domain_graphs, meta = _prepare(configs[0], seeds, controls, domain_graphs, "ablation")
   federations = {c.setting: build_federation(c, domain_graphs, seeds) for c in configs}
   if controls.overwrite:
@@ -361,7 +372,7 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
   out_dir.mkdir(parents=True, exist_ok=True)
   hparams = dict(defaults["hparams"].get("fedavg", {}))
   setup = {"configs": [c.to_dict() for c in configs], "ablation": settings, "hparams": hparams,
-           "seeds": [int(s) for s in seeds], "rounds": rounds, "chunk": controls.chunk}
+           "aggregators": others, "seeds": [int(s) for s in seeds], "rounds": rounds, "chunk": controls.chunk}
   record = _record(setup, federations[configs[0].setting], meta, controls, last=last)
   report.write_json(out_dir / "config.json", record)
 
@@ -369,15 +380,16 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
   for config in configs:
     fedia = settings[config.setting]
     cells = cells_lib.Cells([
-        cells_lib.cell(aggregator, label=label,
-                       **{n: fedia[n] for n in aggregators_lib.get(aggregator).hparams})
-        for label, aggregator in ABLATION])
+        cells_lib.cell(aggregator, label=label, **(
+            others[aggregator] if aggregator in others
+            else {n: fedia[n] for n in aggregators_lib.get(aggregator).hparams}))
+        for label, aggregator in rows_of])
     result = run_cells(config, federations[config.setting], cells, config.setting, "fedavg",
                        hparams, rounds, out_dir, setup, controls)
     rows = tables.add_deltas([
         tables.make_row(result, cells.index(label), "fedavg",
                         "base" if aggregator == cells_lib.BASE else f"+{aggregator}", last)
-        for label, aggregator in ABLATION])
+        for label, aggregator in rows_of])
     domains = list(federations[config.setting].domains)
     title = (_title(config, rounds, seeds, last)
              + f", ρ={fedia['rho']:g}, β={fedia['beta']:g}")
@@ -403,8 +415,10 @@ def resume_ablation(out_dir: pathlib.Path, controls: RunControls = RunControls()
   out_dir = pathlib.Path(out_dir)
   record = read_record(out_dir, "ablation")
   configs = [Config(**c) for c in record["configs"]]
-  defaults = {"hparams": {"fedavg": record["hparams"]}, "fedia": {
+  others = record.get("aggregators", {})
+  defaults = {"hparams": {"fedavg": record["hparams"]}, "aggregators": others, "fedia": {
       "default": [0.5, 0.5], configs[0].dataset: {
           s: {"fedavg": [v["rho"], v["beta"]]} for s, v in record["ablation"].items()}}}
   return run_ablation(configs, record["seeds"], record["rounds"], record["last"], defaults,
-                      resumed(controls, record, out_dir, nonfinite), domain_graphs)
+                      resumed(controls, record, out_dir, nonfinite), domain_graphs,
+                      aggregators=["fedia", *others])

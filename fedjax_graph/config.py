@@ -11,10 +11,12 @@ failure one line naming the field and what is allowed, so the simulation
 itself never sees a bad configuration.
 
 All YAML here is read by ``load_yaml``: PyYAML follows YAML 1.1, in which
-``1e-5`` (no dot) is a string; ``load_yaml`` reads floats as YAML 1.2 does.
+``1e-5`` (no dot) is a string and ``no`` is False; ``load_yaml`` reads
+scalars as YAML 1.2 does.
 """
 
 import dataclasses
+import math
 import pathlib
 import re
 from typing import Annotated, Any, Mapping, Optional
@@ -39,21 +41,37 @@ CONFIG_DIR = _config_dir()
 
 
 class YamlLoader(yaml.SafeLoader):
-  """PyYAML's safe loader, with floats as YAML 1.2 has them (``1e-5``, ``1E3``, ``.5``).
+  """PyYAML's safe loader, with booleans, integers and floats as YAML 1.2's core schema has them.
 
-  YAML 1.1 needs a dot and a signed exponent (``1.0e-5``) and reads ``1e-5``
-  as a string. Only the float rule changes; integers keep theirs, which is
-  tried first, so ``1`` stays an int.
+  YAML 1.1 (PyYAML) reads ``1e-5`` (no dot) as a string, ``no``/``on``/``off``
+  as booleans and ``1_000`` or ``1:30`` as integers. Here only ``true``/``false``
+  (also ``True``, ``TRUE``, ...) are booleans, integers are decimal, ``0o``
+  octal or ``0x`` hexadecimal, and floats include ``1e-5``, ``1E3`` and ``.5``;
+  anything else is a string, which the ``Config`` check then rejects by name.
   """
 
 
-_FLOAT = "tag:yaml.org,2002:float"
+_BOOL, _INT, _FLOAT = (f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float"))
 YamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_BOOL, _INT, _FLOAT)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+YamlLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+# Integers before floats, so that ``1`` stays an int.
+YamlLoader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                                 list("-+0123456789"))
 YamlLoader.add_implicit_resolver(_FLOAT, re.compile(
     r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
     r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+  # PyYAML's own constructor reads a leading 0 as octal (YAML 1.1); 1.2 is decimal.
+  text = loader.construct_scalar(node)
+  return int(text, 0) if text[:2] in ("0o", "0x") else int(text, 10)
+
+
+YamlLoader.add_constructor(_INT, _construct_int)
 
 
 def load_yaml(stream) -> Any:
@@ -127,6 +145,7 @@ class Config:
   participation: Number = 1.0
 
   def __post_init__(self):
+    """Checks every field (see the class docstring); inf and NaN are out of every range."""
     try:
       checked = _TYPES.model_validate(vars(self))
     except pydantic.ValidationError as err:
@@ -145,8 +164,12 @@ class Config:
     for domain, count in self.clients_per_domain.items():
       if count < 1:
         raise ValueError(f"clients_per_domain[{domain!r}] = {count!r}; must be an integer >= 1")
+    for name, value in vars(self).items():
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} = {value!r}; must be a finite number")
     split = self.split
-    if len(split) != 3 or min(split) < 0 or abs(sum(split) - 1) > 1e-6 or split[0] == 0:
+    if (len(split) != 3 or not all(math.isfinite(f) for f in split) or min(split) < 0
+        or abs(sum(split) - 1) > 1e-6 or split[0] == 0):
       raise ValueError(f"split = {list(split)}; must be 3 fractions >= 0 summing to 1, train > 0")
     object.__setattr__(self, "clients_per_domain",
                        {d: self.clients_per_domain[d] for d in domains})
@@ -282,7 +305,11 @@ def load_config(path: pathlib.Path, **overrides) -> Config:
     OSError: if the file cannot be read.
   """
   path = pathlib.Path(path)
-  return _make({"setting": path.stem, **_read(path)}, overrides)
+  raw = _read(path)
+  try:
+    return _make({"setting": path.stem, **raw}, overrides)
+  except ValueError as err:
+    raise ValueError(f"{path}: {err}") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:

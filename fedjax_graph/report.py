@@ -34,6 +34,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import MaxNLocator
 
 from fedjax_graph import analysis
 from fedjax_graph.io import atomic_write as _atomic_write
@@ -857,6 +858,7 @@ def plot_curves(base_acc: np.ndarray, cells_acc: np.ndarray,
   ax.set_xlabel("Communication round")
   ax.set_ylabel("AVG test accuracy (%)")
   ax.set_xlim(0.5, num_rounds + 0.5)
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
   ax.set_title(f"{title}\nAVG over domains, {spread}" if title
                else f"AVG over domains, {spread}", fontsize=10)
   ax.grid(alpha=0.3)

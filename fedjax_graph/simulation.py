@@ -150,7 +150,6 @@ def sim_data(federation: Federation) -> SimData:
                                 f.eval_owner))
 
 
-
 class Simulation(NamedTuple):
   """The pieces of a sweep; ``init`` and ``run_chunk`` are the compiled program.
 

@@ -198,8 +198,12 @@ def make_row(result: RunResult, g: int, method: str, variant: str, last: int) ->
   constant = analysis.constant_domains(result.predicted_classes[:, g], last).sum(axis=0)
   if method == "majority":  # one class per domain by construction: no news to flag
     constant = np.zeros_like(constant)
-  hparams = tuple((name, float(values[g])) for name, values in result.hparams.items()
-                  if not np.isnan(values[g]))
+  # In the aggregator's own order (FedHEAL: tau, beta), whatever the saved order.
+  aggregator = str(result.aggregators[g])
+  order = list(aggregators.get(aggregator).hparams) if aggregator in aggregators.REGISTRY else []
+  names = sorted(result.hparams, key=lambda n: order.index(n) if n in order else len(order))
+  hparams = tuple((name, float(result.hparams[name][g])) for name in names
+                  if not np.isnan(result.hparams[name][g]))
   return TableRow(str(result.labels[g]), method, variant, hparams,
                   _scores(result.test_acc[:, g], last), _scores(result.test_bacc[:, g], last),
                   constant, float(analysis.loss_slope(result.train_loss[:, g], last).mean()),
@@ -297,7 +301,9 @@ def _footnote(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
 
 
 def _markdown_table(rows: Sequence[TableRow], domains: Sequence[str], metric: str) -> list[str]:
-  header = ["Method", "(ρ, β)", *domains, "AVG", "Δ FedAvg"]
+  names = {n for row in rows for n, _ in row.hparams}
+  header = ["Method", "(ρ, β)" if names <= {"rho", "beta"} else "Hyper-parameters", *domains,
+            "AVG", "Δ FedAvg"]
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for row in rows:
     if not converged(row):

@@ -51,11 +51,21 @@ def test_comma_lists_parse():
      "backbone is set twice (--backbone and --set backbone=...); give it once"),
     (["--set", "lr=0.1", "--set", "lr=0.2"], "lr is set twice (--set and --set lr=...)"),
     (["--config", "x.yaml"], "give --config FILE or --dataset/--setting, not both"),
+    (["--set", "dataset=twitch"], "--set dataset=... cannot change the dataset: choose it with "
+                                  "--dataset"),
+    (["--set", "setting=s3"], "--set setting=... cannot change the setting"),
+    (["--set", "allow_empty_clients=no"], "allow_empty_clients = 'no'; must be true or false"),
+    (["--set", "lr=.inf"], "lr = inf; must be a finite number"),
 ])
 def test_grid_usage_errors_before_any_file(flags, message, tmp_path, capsys):
   argv = ["--dataset", "wikinet", "--out", str(tmp_path / "x"), *flags]
   assert message in usage_error("grid", argv, capsys)
   assert not (tmp_path / "x").exists()
+
+
+def test_a_missing_config_file_is_a_usage_error(tmp_path, capsys):
+  err = usage_error("grid", ["--config", str(tmp_path / "none.yaml")], capsys)
+  assert f"--config {tmp_path / 'none.yaml'}: No such file or directory" in err
 
 
 def test_config_file_then_shortcuts_then_set(tmp_path):

@@ -24,6 +24,32 @@ def test_yaml_reads_floats_as_yaml_1_2():
   assert isinstance(values["f"], int) and isinstance(values["b"], float)
 
 
+def test_yaml_booleans_and_integers_are_yaml_1_2():
+  values = config.load_yaml("a: no\nb: on\nc: True\nd: false\ne: 1_000\nf: 0x10\ng: 010\n"
+                            "h: 1:30\ni: -7")
+  assert values == {"a": "no", "b": "on", "c": True, "d": False, "e": "1_000", "f": 16, "g": 10,
+                    "h": "1:30", "i": -7}
+
+
+@pytest.mark.parametrize("value, message", [
+    ("no", "allow_empty_clients = 'no'; must be true or false"),
+    ("off", "allow_empty_clients = 'off'; must be true or false")])
+def test_yaml_1_1_booleans_are_not_booleans(value, message):
+  with pytest.raises(ValueError, match=message):
+    config.load_preset("wikinet", **dict([config.parse_override(f"allow_empty_clients={value}")]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"lr": float("inf")}, "lr = inf; must be a finite number"),
+    ({"weight_decay": float("inf")}, "weight_decay = inf; must be a finite number"),
+    ({"dropout": float("nan")}, "dropout = nan; must be a finite number"),
+    ({"split": [float("nan"), 0.5, 0.5]}, "split = [nan, 0.5, 0.5]; must be 3 fractions"),
+])
+def test_non_finite_numbers_are_out_of_range(overrides, message):
+  with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    config.load_preset("wikinet", **overrides)
+
+
 def test_a_config_file_anywhere_with_weight_decay_1e_5(tmp_path):
   path = tmp_path / "mine.yaml"
   path.write_text(WIKINET + "weight_decay: 1e-5\nhidden: 16\nlr: 1\n")
@@ -51,6 +77,7 @@ def test_wrong_types_are_one_line_errors_naming_field_and_what_is_allowed(tmp_pa
   with pytest.raises(ValueError) as err:
     config.load_config(path)
   assert message in str(err.value) and "\n" not in str(err.value)
+  assert str(err.value).startswith(f"{path}: ")
 
 
 def test_every_type_error_is_reported_at_once():

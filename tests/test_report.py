@@ -587,3 +587,13 @@ def test_display_names_mirror_the_aggregator_registry():
       aggregators.DISPLAY)
   assert report.display_name("fedavg+gma") == "FedAvg+GMA"
   assert report.display_name("fedprox+x") == "fedprox+x"
+
+
+def test_curves_tick_only_whole_rounds(tmp_path, monkeypatch):
+  saved = []
+  monkeypatch.setattr(report, "save_figure", lambda fig, path: saved.append(fig))
+  fedavg, fedia, rho, beta = _grid([0.1], [0.5], lambda r, b: 0.0)  # a few rounds only
+  rows = _summarize(fedavg, fedia, rho, beta)
+  report.plot_curves(fedavg, fedia, rows, tmp_path / "c.png", "t")
+  ticks = saved[0].axes[0].get_xticks()
+  np.testing.assert_array_equal(ticks, np.round(ticks))

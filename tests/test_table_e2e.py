@@ -144,16 +144,19 @@ def test_ablation_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, 
   out = tmp_path / "ablation"
   script_main("ablation")(["--dataset", "wikinet", "--settings", "default", "--rounds", "2",
                            "--raw-dir", str(raw_dir), "--cache-dir", str(prepared_cache),
-                           "--out", str(out), "--no-progress"])
+                           "--out", str(out), "--no-progress", "--aggregators", "fedia,fedheal"])
   with open(out / "table.csv") as f:
     rows = list(csv.DictReader(f))
   assert [r["method"] for r in rows] == [
-      "default:FedAvg", "default:FedAvg+IM", "default:FedAvg+IM+CAM"]
-  assert [r["variant"] for r in rows] == ["base", "+fedia_im", "+fedia"]
+      "default:FedAvg", "default:FedAvg+IM", "default:FedAvg+IM+CAM", "default:FedAvg+FedHEAL"]
+  assert [r["variant"] for r in rows] == ["base", "+fedia_im", "+fedia", "+fedheal"]
   assert (rows[1]["rho"], rows[1]["beta"], rows[2]["beta"]) == ("0.5", "", "0.5")
+  assert (rows[3]["tau"], rows[3]["beta"]) == ("0.3", "0.4")  # the method config's
   run = comparison.load_run(out / "runs" / "default.npz")
   # IM only weighs clients by training-node counts, like FedAvg; CAM does not.
-  assert list(run.labels) == ["FedAvg", "FedAvg+IM", "FedAvg+IM+CAM"]
+  assert list(run.labels) == ["FedAvg", "FedAvg+IM", "FedAvg+IM+CAM", "FedAvg+FedHEAL"]
+  # The table names FedHEAL's hyper-parameters in its own order (tau, beta).
+  assert "| FedAvg+FedHEAL | τ=0.3, β=0.4 |" in (out / "table.md").read_text()
   np.testing.assert_allclose(run.alpha[:, 1], run.alpha[:, 0], rtol=1e-5)
   assert not np.allclose(run.alpha[:, 1, -1], run.alpha[:, 2, -1])
   assert "FedAvg+IM+CAM" in (out / "table.md").read_text()
