@@ -46,6 +46,9 @@ class History(NamedTuple):
     seconds: wall time of each chunk run in this call (the first includes
       compilation).
     labels: the G' cell labels.
+    argmax_acc: f32[S, G', T, D] the classifier's argmax test accuracy when
+      the method predicts otherwise (``Method.predict``, e.g. FGGP's
+      k-nearest prototypes, which ``test_acc`` then scores), else None.
   """
   test_acc: np.ndarray
   val_acc: np.ndarray
@@ -59,6 +62,7 @@ class History(NamedTuple):
   diagnostics: object
   seconds: list
   labels: list
+  argmax_acc: Optional[np.ndarray] = None
 
 
 def describe_nonfinite(nonfinite: np.ndarray, first_round: int, federation: Federation,

@@ -31,6 +31,10 @@ mean of the client updates:
               aggregator's client weights tensor by tensor: alone FedAvg with
               them (HBDA), +FedIA alpha_k w_k^G renormalised per tensor.
               ``fedspa_nohbda`` has none: +FedIA is "FedIA (repl.)".
+  FGGP        u replaces the count-weighted mean of the shared tensors (the
+              classifier is personal: never aggregated, in no aggregator's
+              mask); FINCH, the prototype queue and the kNN prediction are
+              unchanged.
   ==========  ===================================================================
 
 Per-client state never changes for a client that did not take part in the
@@ -52,6 +56,7 @@ from fedjax_graph.methods.fedproc import fedproc
 from fedjax_graph.methods.fedproto import fedproto
 from fedjax_graph.methods.fedprox import fedprox
 from fedjax_graph.methods.fedspa import fedspa, fedspa_nohbda
+from fedjax_graph.methods.fggp import fggp
 from fedjax_graph.methods.fgssl import fgssl
 from fedjax_graph.methods.local import local
 from fedjax_graph.methods.moon import cosine_similarity, moon, moon_loss
@@ -61,11 +66,11 @@ from fedjax_graph.models import NodeClassifier
 REGISTRY: dict[str, Callable[..., Method]] = {
     "fedavg": fedavg, "fedprox": fedprox, "moon": moon, "feddyn": feddyn, "fedopt": fedopt,
     "scaffold": scaffold, "fedproto": fedproto, "fedproc": fedproc, "fgssl": fgssl,
-    "fedspa": fedspa, "fedspa_nohbda": fedspa_nohbda, "local": local}
+    "fedspa": fedspa, "fedspa_nohbda": fedspa_nohbda, "fggp": fggp, "local": local}
 DISPLAY = {"fedavg": "FedAvg", "fedprox": "FedProx", "moon": "MOON", "feddyn": "FedDyn",
            "fedopt": "FedOpt", "scaffold": "SCAFFOLD", "fedproto": "FedProto",
            "fedproc": "FedProc", "fgssl": "FGSSL", "fedspa": "FedSPA",
-           "fedspa_nohbda": "FedSPA w/o HBDA", "local": "Local"}
+           "fedspa_nohbda": "FedSPA w/o HBDA", "fggp": "FGGP", "local": "Local"}
 # Table rows named otherwise than "<method>+<aggregator>" (``comparison.row_label``):
 # FedIA in place of FedSPA's HBDA is the FedIA paper's "FedIA (repl.)".
 ROW_DISPLAY = {("fedspa_nohbda", "fedia"): "FedIA (repl.)"}
