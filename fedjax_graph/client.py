@@ -65,7 +65,8 @@ def make_local_update(model: NodeClassifier, config: Config, method: methods_lib
   groups, graph, key, client_state=(), server_state=())`` takes
 
     start_params: the model the client starts from (the global model W, or
-      its own for a ``personal`` method).
+      its own for a ``personal`` method); a method's ``personalise`` then
+      puts its own tensors in (the update is taken from what it returns).
     global_params: the global model W (what proximal terms pull towards).
     x: f32[N, F] the client's node features (padded).
     y: i32[N] labels, 0 on padding rows.
@@ -100,6 +101,8 @@ def make_local_update(model: NodeClassifier, config: Config, method: methods_lib
 
   def local_update(start_params, global_params, x, y, train_mask, groups, graph, key,
                    client_state=(), server_state=()):
+    if method.personalise is not None:  # e.g. the global model with the client's own head
+      start_params = method.personalise(start_params, client_state)
     ctx = ClientContext(start_params, global_params, x, y, train_mask, groups, num_domains,
                         graph, client_state, server_state)
     ctx = ctx._replace(prepared=method.prepare(ctx))

@@ -116,13 +116,14 @@ def save_run(path: pathlib.Path, arrays: Mapping, cells: cells_lib.Cells,
              federation: Federation, seconds: float) -> tables.RunResult:
   """Saves a sweep's per-round arrays with its cells (labels, aggregators, hyper-parameters)."""
   recorded = {name: np.asarray(arrays[name]) for name in tables.RunResult._fields
-              if name in arrays and name not in ("seconds", "labels", "hparams")}
+              if arrays.get(name) is not None and name not in ("seconds", "labels", "hparams")}
   # Cell values as the user gave them (0.9, not float32's 0.8999999761581421).
   hparams = {n: np.round(v, 6) for n, v in cells.hparam_table().items()}
   result = tables.RunResult(**recorded, labels=np.asarray(cells.labels),
                             aggregators=np.asarray([c.aggregator for c in cells.cells]),
                             hparams=hparams, seconds=seconds)
-  report.write_history(path, **{k: v for k, v in result._asdict().items() if k != "hparams"},
+  report.write_history(path, **{k: v for k, v in result._asdict().items()
+                                if k != "hparams" and v is not None},
                        **{f"hparam_{n}": v for n, v in hparams.items()},
                        domains=np.asarray(federation.domains), seeds=np.asarray(federation.seeds))
   return result

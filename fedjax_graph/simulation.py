@@ -101,6 +101,9 @@ class RoundMetrics(NamedTuple):
     diagnostics: ``diagnostics.RoundDiagnostics`` of the round's client updates
       at the rounds a ``DiagnosticsSpec`` names (zeros at other rounds), or
       None when diagnostics are off.
+    argmax_acc: f32[D] test accuracy of the classifier's argmax when the
+      method predicts otherwise (``Method.predict``: then ``test_acc`` and
+      the other scores are the method's), else None.
   """
   test_acc: Array
   val_acc: Array
@@ -112,6 +115,7 @@ class RoundMetrics(NamedTuple):
   nonfinite: Array
   predicted_classes: Array
   diagnostics: Optional[NamedTuple] = None
+  argmax_acc: Optional[Array] = None
 
 
 class DiagnosticsSpec(NamedTuple):
@@ -168,10 +172,12 @@ class Simulation(NamedTuple):
       server step and per-client state), not jitted. Clients not ``sampled``,
       with a non-finite update or no training node are left out.
     method: the method.
-    evaluate: ``evaluate(params, val_mask, test_mask, owner, data)`` -> (test
-      ``Scores``, validation accuracy f32[D]) for one run, not jitted; for a
-      ``personal`` method ``params`` are the clients' models, leaves [C, ...],
-      and node n is predicted by client ``owner[n]``'s.
+    evaluate: ``evaluate(params, val_mask, test_mask, owner, data,
+      server_state=())`` -> (test ``Scores``, validation accuracy f32[D]) for
+      one run, not jitted; for a ``personal`` method ``params`` are the
+      clients' models, leaves [C, ...], and node n is predicted by client
+      ``owner[n]``'s; a method's ``predict`` reads the method's
+      ``server_state``.
     init: ``init(seeds i32[S], batch: CellBatch) -> tuple of SimState``.
     run_chunk: jitted ``run_chunk(state, first_round, batch, data, num_rounds)``
       -> ``(state, RoundMetrics with leaves [S, G', num_rounds, ...])``;
@@ -307,11 +313,16 @@ def client_keys(run_key: Array, round_index, num_clients: int) -> Array:
 
 
 class Scores(NamedTuple):
-  """Per-domain scores of one prediction (see ``domain_scores``), each f32[D] in [0, 1] or i32[D]."""
+  """Per-domain scores of one prediction (see ``domain_scores``), each f32[D] in [0, 1] or i32[D].
+
+  ``argmax_acc`` f32[D]: with a method's own ``predict``, the accuracy of the
+  classifier's argmax beside it; else None.
+  """
   acc: Array
   bacc: Array
   f1: Array
   classes: Array
+  argmax_acc: Optional[Array] = None
 
 
 def domain_scores(pred: Array, labels: Array, mask: Array, node_domain: Array,
@@ -389,6 +400,9 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
   num_clients, num_domains = federation.num_clients, len(federation.domains)
   local_update = make_local_update(model, config, method, num_domains)
   training_input = make_training_input(config, num_domains, method.needs_graph)
+  # The tensors every aggregator sees: all but a method's personal ones.
+  shared = ((lambda tree: tree) if method.personal_leaves is None else
+            (lambda tree: methods_lib.base.select(tree, lambda p: not method.personal_leaves(p))))
   feature_dim = federation.eval_x.shape[-1]
   trace_count = [0]
 
@@ -400,7 +414,9 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
     # Parameters do not depend on the graph: initialise without propagation.
     plain = model.clone(propagate_train=False, propagate_eval=False)
     params = plain.init(init_key, jnp.zeros((1, feature_dim)), None, train=False)
-    return SimState(params, aggregators.get(aggregator).init(num_clients, params),
+    if method.extend_params is not None:  # a key of its own: the backbone's init is unchanged
+      params = method.extend_params(params, jax.random.fold_in(init_key, 1))
+    return SimState(params, aggregators.get(aggregator).init(num_clients, shared(params)),
                     method.init(params, num_clients), run_key,
                     jax.random.fold_in(seed_key, SAMPLING_STREAM))
 
@@ -423,8 +439,11 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
       participating = participating & sampled
     base_weights = jnp.ones_like(train_counts) if method.uniform_weights else train_counts
     update, agg_state, diag = aggregators.get(aggregator).update(
-        outputs.update, state.aggregator, weights=base_weights, participating=participating,
-        **hparams)
+        shared(outputs.update), state.aggregator, weights=base_weights,
+        participating=participating, **hparams)
+    if method.personal_leaves is not None:  # personal tensors: no aggregate, the global keeps its own
+      update = methods_lib.base.fill(update, outputs.update,
+                                     lambda u: jnp.zeros(u.shape[1:], u.dtype))
     # A client whose update is finite but one of whose statistics is not (an
     # overflowing norm) was left out by the aggregator: it is absent too.
     participating = participating & ~diag.excluded
@@ -473,30 +492,40 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
     # branch and rounds without a checkpoint compute nothing.
     return jax.lax.cond(jnp.isin(t + 1, jnp.asarray(diagnostics.rounds)), compute, skip, updates)
 
-  def evaluate(params, val_mask, test_mask, owner, data):
+  def evaluate(params, val_mask, test_mask, owner, data, server_state=()):
     # Batch-norm statistics per domain: each domain's full graph is its own batch.
     predict_all = lambda p: predict(model, p, data.eval_x, data.eval_graph, data.eval_domain,
                                     num_domains)
+    argmax = None
     if method.personal:  # each node by the model of the client that holds it
       per_client = jax.lax.map(predict_all, params)  # [C, N]; one model at a time, less memory
       pred = jnp.take_along_axis(per_client, owner[None], axis=0)[0]
+    elif method.predict is not None:  # the method's scores, and the classifier's argmax beside
+      hidden, logits = model.apply(params, data.eval_x, data.eval_graph, train=False,
+                                   with_hidden=True, groups=data.eval_domain,
+                                   num_groups=num_domains)
+      pred = jnp.argmax(method.predict(params, server_state, hidden, logits), axis=-1)
+      argmax = jnp.argmax(logits, axis=-1)
     else:
       pred = predict_all(params)
-    scores = lambda mask: domain_scores(pred, data.eval_y, mask, data.eval_domain, num_domains,
-                                        federation.num_classes)
-    return scores(test_mask), scores(val_mask).acc
+    scores = lambda mask, p=pred: domain_scores(p, data.eval_y, mask, data.eval_domain,
+                                                num_domains, federation.num_classes)
+    test = scores(test_mask)
+    if argmax is not None:
+      test = test._replace(argmax_acc=scores(test_mask, argmax).acc)
+    return test, scores(val_mask).acc
 
   def run_group(state, group, hparams, t, data):
     per_cell = jax.vmap(lambda s, h, shards: train_and_aggregate(
         s, group.aggregator, h, shards, data.train_counts, t), in_axes=(0, 0, None))
     state, (loss, weights, coverage, nonfinite, diags) = jax.vmap(
         per_cell, in_axes=(0, None, 0))(state, hparams, data.client_shards)
-    per_cell_eval = jax.vmap(evaluate, in_axes=(0, None, None, None, None))
+    per_cell_eval = jax.vmap(evaluate, in_axes=(0, None, None, None, None, 0))
     evaluated = state.method.clients if method.personal else state.params
-    test, val_acc = jax.vmap(per_cell_eval, in_axes=(0, 0, 0, 0, None))(
-        evaluated, data.eval_val, data.eval_test, data.eval_owner, data)
+    test, val_acc = jax.vmap(per_cell_eval, in_axes=(0, 0, 0, 0, None, 0))(
+        evaluated, data.eval_val, data.eval_test, data.eval_owner, data, state.method.server)
     return state, RoundMetrics(test.acc, val_acc, test.bacc, test.f1, loss, weights, coverage,
-                               nonfinite, test.classes, diags)
+                               nonfinite, test.classes, diags, test.argmax_acc)
 
   def run_round(states, t, batch: CellBatch, data):
     results = [run_group(state, group, hparams, t, data)

@@ -49,6 +49,9 @@ class History(NamedTuple):
     labels: the G' cell labels.
     plan: how the batch ran (``devices.Plan.record()``: devices, sub-batches,
       padding, memory budget and figures).
+    argmax_acc: f32[S, G', T, D] the classifier's argmax test accuracy when
+      the method predicts otherwise (``Method.predict``, e.g. FGGP's
+      k-nearest prototypes, which ``test_acc`` then scores), else None.
   """
   test_acc: np.ndarray
   val_acc: np.ndarray
@@ -63,6 +66,7 @@ class History(NamedTuple):
   seconds: list
   labels: list
   plan: Optional[dict] = None
+  argmax_acc: Optional[np.ndarray] = None
 
 
 def describe_nonfinite(nonfinite: np.ndarray, first_round: int, federation: Federation,

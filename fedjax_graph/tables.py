@@ -41,6 +41,9 @@ class RunResult(NamedTuple):
     hparams: ``{name: f64[G']}`` each hyper-parameter of any cell, NaN where
       a cell has none.
     seconds: wall time of the sweep (s).
+    argmax_acc: f32[S, G', T, D] the classifier's argmax test accuracy of a
+      method that predicts otherwise (``Method.predict``, e.g. FGGP's
+      k-nearest prototypes, which ``test_acc`` scores), else None.
   """
   test_acc: np.ndarray
   val_acc: np.ndarray
@@ -54,6 +57,7 @@ class RunResult(NamedTuple):
   aggregators: np.ndarray
   hparams: dict
   seconds: float
+  argmax_acc: Optional[np.ndarray] = None
 
 
 class Scores(NamedTuple):
@@ -88,6 +92,9 @@ class TableRow(NamedTuple):
     hparams: the cell's hyper-parameters as (name, value) pairs (none for a
       base or reference row).
     acc: test accuracy. bacc: balanced accuracy.
+    argmax: test accuracy of the classifier's argmax where the method
+      predicts otherwise (``RunResult.argmax_acc``; ``acc`` is then the
+      method's own prediction), else None.
     constant: i64[D] number of seeds whose model predicts one class on that
       domain's test nodes through all of the final rounds.
     loss_slope: mean over seeds of the training loss's least-squares slope
@@ -104,6 +111,7 @@ class TableRow(NamedTuple):
   constant: np.ndarray
   loss_slope: float
   status: str = "ok"
+  argmax: Optional[Scores] = None
 
   @property
   def num_seeds(self) -> int:
@@ -199,7 +207,8 @@ def make_row(result: RunResult, g: int, method: str, variant: str, last: int) ->
   return TableRow(str(result.labels[g]), method, variant, hparams,
                   _scores(result.test_acc[:, g], last), _scores(result.test_bacc[:, g], last),
                   constant, float(analysis.loss_slope(result.train_loss[:, g], last).mean()),
-                  status)
+                  status, None if result.argmax_acc is None else _scores(result.argmax_acc[:, g],
+                                                                          last))
 
 
 def _paired(row: TableRow, other: TableRow, metric: str) -> analysis.PairedDelta:
@@ -336,7 +345,9 @@ def to_csv(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
   domain): ``<d>_mean``, ``<d>_std``; ``<d>_delta_base`` and its interval
   half-width ``<d>_delta_base_ci``; ``delta_fedavg``, ``delta_fedavg_ci``
   (AVG). Then ``<d>_constant`` (seeds constant), ``num_seeds`` and
-  ``train_loss_slope`` (loss per round).
+  ``train_loss_slope`` (loss per round). Where a row has ``argmax`` (a
+  method predicting otherwise than by its classifier's argmax: FGGP), last
+  ``<d>_argmax_mean`` and ``<d>_argmax_std`` (empty for the other rows).
   """
   names = list(domains) + ["AVG"]
   hparam_names = list(dict.fromkeys(name for row in rows for name, _ in row.hparams))
@@ -346,6 +357,9 @@ def to_csv(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
                 + [f"{d}_{prefix}delta_base{ci}" for d in names for ci in ("", "_ci")]
                 + [f"{prefix}delta_fedavg", f"{prefix}delta_fedavg_ci"])
   columns += [f"{d}_constant" for d in domains] + ["num_seeds", "train_loss_slope"]
+  with_argmax = any(row.argmax is not None for row in rows)
+  if with_argmax:
+    columns += [f"{d}_argmax_{stat}" for d in names for stat in ("mean", "std")]
   out = io.StringIO()
   writer = csv.writer(out, lineterminator="\n")
   writer.writerow(columns)
@@ -360,6 +374,9 @@ def to_csv(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
           values += (["", ""] if delta is None
                      else [_number(delta.mean[j]), _number(delta.half_width[j])])
     values += [int(k) for k in row.constant] + [row.num_seeds, _number(row.loss_slope, ".4e")]
+    if with_argmax:
+      values += (["", ""] * len(names) if row.argmax is None else
+                 [_number(v) for pair in zip(row.argmax.mean, row.argmax.std) for v in pair])
     writer.writerow(values)
   return out.getvalue()
 

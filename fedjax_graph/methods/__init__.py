@@ -27,6 +27,10 @@ mean of the client updates:
               the method's (an aggregator sees model updates only).
   FedProc     as FedProto (its alpha_t schedule is client-side).
   FGSSL       as FedAvg (the contrast and distillation terms are client-side only).
+  FGGP        u replaces the count-weighted mean of the shared tensors (the
+              classifier is personal: never aggregated, in no aggregator's
+              mask); FINCH, the prototype queue and the kNN prediction are
+              unchanged.
   ==========  ===================================================================
 
 Per-client state never changes for a client that did not take part in the
@@ -47,6 +51,7 @@ from fedjax_graph.methods.fedopt import SERVER_OPTIMIZERS, fedopt
 from fedjax_graph.methods.fedproc import fedproc
 from fedjax_graph.methods.fedproto import fedproto
 from fedjax_graph.methods.fedprox import fedprox
+from fedjax_graph.methods.fggp import fggp
 from fedjax_graph.methods.fgssl import fgssl
 from fedjax_graph.methods.local import local
 from fedjax_graph.methods.moon import cosine_similarity, moon, moon_loss
@@ -56,10 +61,10 @@ from fedjax_graph.models import NodeClassifier
 REGISTRY: dict[str, Callable[..., Method]] = {
     "fedavg": fedavg, "fedprox": fedprox, "moon": moon, "feddyn": feddyn, "fedopt": fedopt,
     "scaffold": scaffold, "fedproto": fedproto, "fedproc": fedproc, "fgssl": fgssl,
-    "local": local}
+    "fggp": fggp, "local": local}
 DISPLAY = {"fedavg": "FedAvg", "fedprox": "FedProx", "moon": "MOON", "feddyn": "FedDyn",
            "fedopt": "FedOpt", "scaffold": "SCAFFOLD", "fedproto": "FedProto",
-           "fedproc": "FedProc", "fgssl": "FGSSL", "local": "Local"}
+           "fedproc": "FedProc", "fgssl": "FGSSL", "fggp": "FGGP", "local": "Local"}
 REFERENCE_METHODS = ("local",)
 # The federated base methods (what tables run "alone and +FedIA").
 METHODS = {name: f for name, f in REGISTRY.items() if name not in REFERENCE_METHODS}

@@ -27,12 +27,19 @@ client_init / client_step / client_final split, optax's style):
     ``uploads`` (leaves [C, ...], rows of non-participants must be ignored)
     move the global model and the server state.
 
+Optional hooks (None: the plain behaviour; see ``Method``) let a method
+extend the model (``extend_params``), keep some of its tensors per client
+(``personal_leaves`` with ``personalise``), see the whole client graph in
+training (``needs_graph``), draw its own randomness at each step
+(``StepOutput.key``) and predict otherwise than by the classifier's argmax
+(``predict``).
+
 Each method's module builds one with a factory ``factory(model, config,
 **hparams)``; ``methods.make_method`` finds it by name and checks the
 hyper-parameters.
 """
 
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +132,25 @@ class Method(NamedTuple):
       whose own forward pass still ignores it; ``ctx.x`` and the other rows
       stay what the backbone trains on, the first rows of the shard
       (``simulation.make_training_input``).
+    personal_leaves: ``personal_leaves(path) -> bool`` on a parameter's path
+      (``path_names``, e.g. ``("params", "layer_2", "kernel")``): True for the
+      tensors each client keeps for itself (FGGP's classifier). They are left
+      out of the aggregation: no aggregator sees them (not in FedIA's masks,
+      norms or scores, nor in GMA's or FedHEAL's statistics), their update is
+      0, so the global model keeps its own value of them. None: none.
+    personalise: ``personalise(params, client_state) -> params``: the model a
+      client starts its local steps from, given the global model and its row
+      of the per-client state (e.g. the global model with the client's own
+      personal leaves). None: the global model as it is.
+    extend_params: ``extend_params(params, key) -> params``: the global
+      model's initial parameters with the method's own added (e.g. FGGP's
+      augmentor, under a key of its own); they are trained and aggregated like
+      the backbone's unless ``personal_leaves`` says otherwise. None: none.
+    predict: ``predict(params, server_state, hidden f32[N, H], logits
+      f32[N, K]) -> scores f32[N, K]`` from the global model's inference pass:
+      evaluation scores the argmax of these (FGGP's k-nearest prototypes) and
+      reports the classifier's argmax beside them (``Scores.argmax_acc``).
+      None: the classifier's argmax.
   """
   name: str
   hparams: Mapping[str, Any]
@@ -137,6 +163,10 @@ class Method(NamedTuple):
   personal: bool = False
   ce_weight: Callable = unit_ce_weight
   needs_graph: bool = False
+  personal_leaves: Optional[Callable[[tuple], bool]] = None
+  personalise: Optional[Callable] = None
+  extend_params: Optional[Callable] = None
+  predict: Optional[Callable] = None
 
 
 def stateless(params, num_clients) -> MethodState:
@@ -198,3 +228,28 @@ def check(ok: bool, method: str, name: str, value, allowed: str) -> None:
   """Raises ValueError ``<method>: <name> = <value>; must be <allowed>`` unless ``ok``."""
   if not ok:
     raise ValueError(f"{method}: {name} = {value!r}; must be {allowed}")
+
+
+def path_names(path: Sequence) -> tuple:
+  """A pytree key path as plain names: ``(DictKey('params'), DictKey('layer_2'))`` -> ``('params', 'layer_2')``."""
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def select(tree: PyTree, keep: Callable[[tuple], bool]) -> PyTree:
+  """``tree`` with the leaves whose path ``keep`` rejects replaced by None (an empty subtree).
+
+  A pytree function then sees only the kept leaves (e.g. an aggregator sees
+  only the shared tensors); ``fill`` puts the others back.
+  """
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: leaf if keep(path_names(path)) else None, tree)
+
+
+def fill(part: PyTree, full: PyTree, missing: Callable) -> PyTree:
+  """``full``'s structure with ``part``'s leaves where it has them and ``missing(full_leaf)`` elsewhere.
+
+  ``part`` is a ``select`` of a tree shaped like ``full`` (None where a leaf
+  was left out).
+  """
+  return jax.tree.map(lambda p, f: missing(f) if p is None else p, part, full,
+                      is_leaf=lambda x: x is None)
