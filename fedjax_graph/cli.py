@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 from data_prep.registry import DATASETS
 from fedjax_graph.config import FIELDS, Config, load_config, load_preset, parse_override
-from fedjax_graph.controls import RunControls
+from fedjax_graph.controls import RunControls, parse_size
 from fedjax_graph.models import BACKBONES, NORMS
 
 RESUME_FLAGS = ("--raw-dir", "--cache-dir", "--no-progress", "--no-verify", "--nonfinite")
@@ -46,6 +46,14 @@ def override(text: str) -> tuple[str, Any]:
   """``--set key=value`` -> ``(key, value)`` (``config.parse_override``), or a usage error."""
   try:
     return parse_override(text)
+  except ValueError as err:
+    raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def memory_size(text: str) -> int:
+  """'8G' -> bytes (``controls.parse_size``), or a usage error naming ``text``."""
+  try:
+    return parse_size(text)
   except ValueError as err:
     raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -112,6 +120,15 @@ def add_sweep_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--participation", type=float, default=None,
                       help="share of clients sampled each round, in (0, 1] (default: the "
                            "preset's, 1 = all)")
+  parser.add_argument("--devices", type=int, default=None, metavar="N",
+                      help="split each batch of runs (seeds x cells) over the first N devices "
+                           "(default, and with --resume: all); results equal one device's up to "
+                           "float rounding")
+  parser.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
+                      help="device memory a batch may take per device, e.g. 8G or 512M (binary "
+                           "multiples); a batch estimated over it runs in equal sub-batches, one "
+                           "after another (default, and with --resume: 80%% of a device's memory; "
+                           "on CPU, of the host's RAM shared by its devices)")
   parser.add_argument("--resume", type=pathlib.Path, default=None, metavar="DIR",
                       help="continue the interrupted run in DIR with its own config.json "
                            f"(only {', '.join(RESUME_FLAGS)} apply; any other flag is a usage "
@@ -234,12 +251,13 @@ def run_controls(args, nonfinite: str) -> RunControls:
   ``nonfinite`` is the script's default policy when ``--nonfinite`` is not given.
 
   Raises:
-    ValueError: for a chunk or checkpoint interval < 1.
+    ValueError: for a chunk, checkpoint interval, device count or memory size < 1.
   """
   return RunControls(out_dir=args.out, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
                      verify=not args.no_verify, chunk=args.chunk, progress=not args.no_progress,
                      nonfinite=args.nonfinite or nonfinite,
-                     checkpoint_every=args.checkpoint_every, overwrite=args.overwrite)
+                     checkpoint_every=args.checkpoint_every, overwrite=args.overwrite,
+                     devices=args.devices, max_memory=args.max_memory)
 
 
 def guarded(parser: argparse.ArgumentParser, run: Callable[[], object],

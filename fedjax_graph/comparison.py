@@ -25,6 +25,7 @@ from fedjax_graph.checkpoint import fingerprint
 from fedjax_graph.config import Config
 from fedjax_graph.controls import RunControls
 from fedjax_graph.data import Federation, build_federation, load_dataset
+from fedjax_graph.io import remove_file
 from fedjax_graph.rundir import (check_run_args, default_out_dir, prepare_out_dir, provenance,
                                  read_record, remove_outputs, resumed)
 from fedjax_graph.sweep import run_sweep
@@ -164,28 +165,39 @@ def save_run(path: pathlib.Path, arrays: Mapping, cells: cells_lib.Cells,
 
 def run_cells(config: Config, federation: Federation, cells: cells_lib.Cells, key: str,
               method: str, hparams: Mapping, rounds: int, out_dir: pathlib.Path, setup: Mapping,
-              controls: RunControls) -> tables.RunResult:
+              controls: RunControls, record: Optional[dict] = None) -> tables.RunResult:
   """Runs one method over ``cells`` for all seeds (or loads its finished run) and saves it.
 
   The sweep checkpoints to ``checkpoint-<key>.msgpack`` and resumes from it.
+  With ``record`` (the run's config.json contents), the sweep's plan (devices,
+  sub-batches, memory) goes into its ``batches[key]`` and config.json is
+  written again.
   """
   path = _run_path(out_dir, key)
   if path.exists():
     return load_run(path)
   checkpoint = out_dir / f"checkpoint-{key}.msgpack"
+
+  def record_plan(plan):
+    if record is not None:
+      record.setdefault("batches", {})[key] = plan
+      report.write_json(out_dir / "config.json", record)
+
   start = time.perf_counter()
   history = run_sweep(config, federation, cells, rounds, controls, method=method,
                       method_hparams=dict(hparams), description=key,
-                      checkpoint_path=checkpoint, fingerprint=fingerprint({**setup, "run": key}))
+                      checkpoint_path=checkpoint, fingerprint=fingerprint({**setup, "run": key}),
+                      on_plan=record_plan)
   result = save_run(path, history._asdict(), cells, federation, time.perf_counter() - start)
-  checkpoint.unlink(missing_ok=True)
+  remove_file(checkpoint)
   return result
 
 
 def run_reference(name: str, config: Config, federation: Federation, domain_graphs,
                   rounds: int, out_dir: pathlib.Path, setup: Mapping,
-                  controls: RunControls) -> tables.RunResult:
-  """A reference row's run (``references``) on the same seeds and splits, saved like a method's."""
+                  controls: RunControls, record: Optional[dict] = None) -> tables.RunResult:
+  """A reference row's run (``references``) on the same seeds and splits, saved like a method's
+  (``record``: as for ``run_cells``)."""
   own = cells_lib.Cells([cells_lib.cell(cells_lib.BASE, label=references.DISPLAY[name])])
   if name == "majority":
     path = _run_path(out_dir, name)
@@ -199,7 +211,8 @@ def run_reference(name: str, config: Config, federation: Federation, domain_grap
                                           pooled=True), "fedavg"
   else:
     method = "local"
-  return run_cells(config, federation, own, name, method, {}, rounds, out_dir, setup, controls)
+  return run_cells(config, federation, own, name, method, {}, rounds, out_dir, setup, controls,
+                   record)
 
 
 def _checked(defaults: Optional[Mapping]) -> dict:
@@ -316,13 +329,13 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
   for name in method_names:
     if name in references.REFERENCES:
       result = run_reference(name, config, federation, domain_graphs, rounds, out_dir, setup,
-                             controls)
+                             controls, record)
       rows.append(tables.make_row(result, 0, name, "reference", last))
       seconds[name] = float(result.seconds)
       continue
     cells = method_cells(name, aggregators, settings[name], select)
     result = run_cells(config, federation, cells, name, name, hparams[name], rounds, out_dir,
-                       setup, controls)
+                       setup, controls, record)
     display = row_label(name)
     rows.append(tables.make_row(result, cells.index(display), name, "base", last))
     for aggregator in aggregators:
@@ -429,7 +442,7 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
             else {n: fedia[n] for n in aggregators_lib.get(aggregator).hparams}))
         for label, aggregator in rows_of])
     result = run_cells(config, federations[config.setting], cells, config.setting, "fedavg",
-                       hparams, rounds, out_dir, setup, controls)
+                       hparams, rounds, out_dir, setup, controls, record)
     rows = tables.add_deltas([
         tables.make_row(result, cells.index(label), "fedavg",
                         "base" if aggregator == cells_lib.BASE else f"+{aggregator}", last)

@@ -2,9 +2,25 @@
 
 import dataclasses
 import pathlib
+import re
 from typing import Optional
 
 NONFINITE_POLICIES = ("error", "skip")
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(text: str) -> int:
+  """'8G' -> 8 * 2**30: bytes, with an optional K, M, G or T (binary multiples; 'GB', 'GiB' too).
+
+  Raises:
+    ValueError: for anything else or a size below one byte, naming ``text``.
+  """
+  match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.I)
+  size = int(float(match[1]) * _UNITS[match[2].lower()]) if match else 0
+  if size < 1:
+    raise ValueError(f"memory size {text!r}: give a number of bytes with an optional K, M, G "
+                     "or T suffix (binary multiples), e.g. 8G or 512M")
+  return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12,7 +28,8 @@ class RunControls:
   """The run controls shared by every experiment (grid, table, ablation, dissection).
 
   None of them changes what a run computes: a run gives the same results with
-  any chunk size, checkpoint interval, progress bar or resume.
+  any chunk size, checkpoint interval, progress bar or resume, and (up to
+  float rounding) on any number of devices and in any split.
 
   Attributes:
     out_dir: where to write; None: ``results/<dataset>-<setting>[-<kind>]-<timestamp>``.
@@ -26,6 +43,10 @@ class RunControls:
     checkpoint_every: chunks between checkpoints of the whole simulation state.
     resume: continue the unfinished run in ``out_dir``.
     overwrite: replace a finished or unfinished run in ``out_dir``.
+    devices: split each batch of runs over this many devices (None: all; see
+      ``devices``); the results are those of one device up to float rounding.
+    max_memory: bytes per device a batch may take (None: 80 % of a device's
+      memory); a batch over it runs in equal sub-batches, one after another.
 
   Raises:
     ValueError: (on construction) naming the first bad value and what is allowed.
@@ -40,11 +61,20 @@ class RunControls:
   checkpoint_every: int = 1
   resume: bool = False
   overwrite: bool = False
+  devices: Optional[int] = None
+  max_memory: Optional[int] = None
 
   def __post_init__(self):
-    for name in ("chunk", "checkpoint_every"):
-      if getattr(self, name) < 1:
+    for name in ("chunk", "checkpoint_every", "devices", "max_memory"):
+      if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ValueError(f"{name} = {getattr(self, name)}; must be >= 1")
+    if self.devices is not None:
+      import jax  # only when devices are named
+
+      available = jax.devices()
+      if self.devices > len(available):
+        raise ValueError(f"devices = {self.devices}; this process sees {len(available)} "
+                         f"{available[0].platform} device(s): choose 1 to {len(available)}")
     if self.nonfinite not in NONFINITE_POLICIES:
       raise ValueError(f"nonfinite = {self.nonfinite!r}; choose one of {NONFINITE_POLICIES}")
     for name in ("out_dir", "raw_dir", "cache_dir"):

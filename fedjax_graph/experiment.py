@@ -16,6 +16,7 @@ import numpy as np
 from fedjax_graph import cells as cells_lib
 from fedjax_graph import report
 from fedjax_graph.checkpoint import fingerprint
+from fedjax_graph.io import remove_file
 from fedjax_graph.config import Config
 from fedjax_graph.controls import RunControls
 from fedjax_graph.data import build_federation, load_dataset
@@ -77,10 +78,15 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
             **provenance()}
   report.write_json(out_dir / "config.json", record)
 
+  def record_plan(plan):  # how the batch runs (devices, sub-batches, memory), once chosen
+    record["batch"] = plan
+    report.write_json(out_dir / "config.json", record)
+
   start = time.perf_counter()
   history = run_sweep(config, federation, cells, rounds, controls,
                       description=f"{config.dataset}-{config.setting}",
-                      checkpoint_path=out_dir / CHECKPOINT, fingerprint=fingerprint(setup))
+                      checkpoint_path=out_dir / CHECKPOINT, fingerprint=fingerprint(setup),
+                      on_plan=record_plan)
   wall = time.perf_counter() - start
 
   base = cells.index("FedAvg")
@@ -120,7 +126,7 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
   report.write_json(out_dir / "config.json", {**record, "status": "finished",
                                               "wall_seconds_this_call": wall,
                                               "chunk_seconds_this_call": history.seconds})
-  (out_dir / CHECKPOINT).unlink(missing_ok=True)
+  remove_file(out_dir / CHECKPOINT)
 
   for warning in report.constant_warnings(base_runs, grid_runs, labels, domains, last, seeds):
     print(f"warning: {warning}")

@@ -1,12 +1,30 @@
-"""Atomic file writes: every artefact and checkpoint of a run goes through ``atomic_write``."""
+"""Atomic file writes: every artefact and checkpoint of a run goes through ``atomic_write``.
+
+Under ``jax.distributed`` (several processes run one program) only process 0
+writes or removes files (``is_writer``); the others compute the same results.
+"""
 
 import os
+import pathlib
 import tempfile
 from typing import IO, Callable
 
 
+def is_writer() -> bool:
+  """True on the process that writes files: process 0 (the only one without ``jax.distributed``)."""
+  import jax  # the writers' import cost only
+
+  return jax.process_index() == 0
+
+
+def remove_file(path: str | os.PathLike) -> None:
+  """Deletes ``path`` if it exists, on the writing process only (``is_writer``)."""
+  if is_writer():
+    pathlib.Path(path).unlink(missing_ok=True)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: bool) -> None:
-  """Writes a file so readers never observe a partial one.
+  """Writes a file so readers never observe a partial one (on process 0 only: ``is_writer``).
 
   The content goes to a temporary file in the destination directory (same
   filesystem, so ``os.replace`` is an atomic rename) and keeps the
@@ -18,6 +36,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: b
     write: Callback that writes the whole content to the open file object.
     binary: Open the temporary file in ``"wb"`` rather than text mode.
   """
+  if not is_writer():
+    return
   path = os.fspath(path)
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)

@@ -16,6 +16,7 @@ from typing import Mapping, Optional, Sequence
 
 from fedjax_graph.config import Config
 from fedjax_graph.controls import RunControls
+from fedjax_graph.io import is_writer, remove_file
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "jraph", "numpy", "scipy")
 
@@ -52,11 +53,15 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
 
   Nothing is deleted here: with ``overwrite``, the caller removes its own
   outputs (``remove_outputs``) once the data has loaded, and makes the
-  folder, so a failure before that leaves everything as it was.
+  folder, so a failure before that leaves everything as it was. Only the
+  writing process checks (``io.is_writer``): under ``jax.distributed`` the
+  others could see the files process 0 has just begun to write.
 
   Raises:
     ValueError: naming the folder and the flag that would proceed.
   """
+  if not is_writer():
+    return
   finished = (out_dir / finished_marker).exists()
   unfinished = not finished and ((out_dir / CHECKPOINT).exists()
                                  or (out_dir / "config.json").exists())
@@ -82,7 +87,7 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
 def remove_outputs(out_dir: pathlib.Path, names) -> None:
   """Deletes the named files of a previous run in ``out_dir`` (others' files are left alone)."""
   for name in names:
-    (out_dir / name).unlink(missing_ok=True)
+    remove_file(out_dir / name)
 
 
 MAX_SEED = 2**31 - 1

@@ -144,12 +144,16 @@ class SimData(NamedTuple):
   eval_owner: Array
 
 
-def sim_data(federation: Federation) -> SimData:
-  """Moves a federation's arrays to the device."""
+def host_data(federation: Federation) -> SimData:
+  """A federation's arrays as a ``SimData`` of host (numpy) arrays, to place as one likes."""
   f = federation
-  return jax.device_put(SimData(f.client_shards, f.train_counts, f.eval_x, f.eval_y,
-                                f.eval_domain, f.eval_graph, f.eval_val, f.eval_test,
-                                f.eval_owner))
+  return SimData(f.client_shards, f.train_counts, f.eval_x, f.eval_y, f.eval_domain,
+                 f.eval_graph, f.eval_val, f.eval_test, f.eval_owner)
+
+
+def sim_data(federation: Federation) -> SimData:
+  """Moves a federation's arrays to the (default) device."""
+  return jax.device_put(host_data(federation))
 
 
 class Simulation(NamedTuple):
@@ -180,8 +184,18 @@ class Simulation(NamedTuple):
     run_chunk: jitted ``run_chunk(state, first_round, batch, data, num_rounds)``
       -> ``(state, RoundMetrics with leaves [S, G', num_rounds, ...])``;
       ``num_rounds`` is static, and so is the batch's layout (its groups).
-    trace_count: a one-element list counting how often ``run_chunk`` was traced
-      (a test guard against recompiling per chunk).
+    trace_count: a one-element list counting how often ``run_chunk`` (or
+      ``run_runs``) was traced (a test guard against recompiling per chunk).
+    run_runs: ``run_runs(states, first_round, batch, seed_index, data,
+      num_rounds)`` -> ``(states, metrics)``, not jitted: the same rounds for
+      a flat list of runs (the layout ``devices`` shards over devices and
+      splits into sub-batches). Per group g, ``states[g]`` has leaves
+      [R_g, ...], ``batch.values[g][name]`` f32[R_g] and ``seed_index[g]``
+      i32[R_g] give each run's hyper-parameters and its seed's row of the
+      per-seed data, and ``metrics[g]`` is a ``RoundMetrics`` with leaves
+      [R_g, num_rounds, ...]. A run computes what it computes in
+      ``run_chunk`` (up to float rounding: the per-seed data are gathered per
+      run rather than shared by a seed's cells).
   """
   model: NodeClassifier
   local_update: Callable
@@ -192,6 +206,7 @@ class Simulation(NamedTuple):
   init: Callable
   run_chunk: Callable
   trace_count: list
+  run_runs: Optional[Callable] = None
 
 
 def make_training_input(config: Config, num_domains: int, needs_graph: bool = False) -> Callable:
@@ -549,7 +564,35 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
     # scan stacks rounds first: [L, S, G', ...] -> [S, G', L, ...].
     return state, jax.tree.map(lambda m: jnp.moveaxis(m, 0, 2), metrics)
 
+  def run_runs_group(state, group, hparams, seed_index, t, data):
+    # One vmap over the runs (leaves [R, ...]); each run gathers its seed's rows
+    # of the per-seed data, the shared data (evaluation graph) stay shared.
+    of_seed = lambda tree, s: jax.tree.map(lambda leaf: leaf[s], tree)
+    state, (loss, weights, coverage, nonfinite, diags) = jax.vmap(
+        lambda st, h, s: train_and_aggregate(st, group.aggregator, h,
+                                             of_seed(data.client_shards, s), data.train_counts,
+                                             t))(state, hparams, seed_index)
+    evaluated = state.method.clients if method.personal else state.params
+    test, val_acc = jax.vmap(evaluate, in_axes=(0, 0, 0, 0, None))(
+        evaluated, data.eval_val[seed_index], data.eval_test[seed_index],
+        data.eval_owner[seed_index], data)
+    return state, RoundMetrics(test.acc, val_acc, test.bacc, test.f1, loss, weights, coverage,
+                               nonfinite, test.classes, diags)
+
+  def run_runs(states, first_round, batch, seed_index, data, num_rounds):
+    trace_count[0] += 1
+
+    def step(states, t):
+      results = [run_runs_group(state, group, hparams, seeds, t, data)
+                 for state, group, hparams, seeds in zip(states, batch.groups, batch.values,
+                                                         seed_index)]
+      return tuple(s for s, _ in results), tuple(m for _, m in results)
+
+    states, metrics = jax.lax.scan(step, states, first_round + jnp.arange(num_rounds))
+    # [L, R_g, ...] -> [R_g, L, ...] per group.
+    return states, jax.tree.map(lambda m: jnp.moveaxis(m, 0, 1), metrics)
+
   return Simulation(model=model, local_update=local_update, training_input=training_input,
                     aggregate=aggregate, method=method, evaluate=evaluate, init=jax.jit(init),
                     run_chunk=jax.jit(run_chunk, static_argnames="num_rounds"),
-                    trace_count=trace_count)
+                    trace_count=trace_count, run_runs=run_runs)

@@ -8,19 +8,19 @@ order of the cells, and are addressed by their labels (``Cells.index``).
 
 import pathlib
 import time
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from fedjax_graph import checkpoint as ckpt
+from fedjax_graph import devices as devices_lib
 from fedjax_graph.cells import Cells
 from fedjax_graph.config import Config
 from fedjax_graph.controls import RunControls
 from fedjax_graph.data import Federation
-from fedjax_graph.simulation import (DiagnosticsSpec, RoundMetrics, Simulation, make_simulation,
-                                     sim_data)
+from fedjax_graph.simulation import DiagnosticsSpec, RoundMetrics, Simulation, make_simulation
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -43,9 +43,12 @@ class History(NamedTuple):
       domain's test nodes.
     diagnostics: ``diagnostics.RoundDiagnostics`` with leaves [S, G', T, ...]
       (zeros outside the requested rounds), or None.
-    seconds: wall time of each chunk run in this call (the first includes
-      compilation).
+    seconds: wall time of each chunk run in this call (the first chunk's
+      program is compiled before, while the plan is chosen: ``plan``'s
+      ``plan_seconds``; a shorter last chunk compiles in its own time).
     labels: the G' cell labels.
+    plan: how the batch ran (``devices.Plan.record()``: devices, sub-batches,
+      padding, memory budget and figures).
     argmax_acc: f32[S, G', T, D] the classifier's argmax test accuracy when
       the method predicts otherwise (``Method.predict``, e.g. FGGP's
       k-nearest prototypes, which ``test_acc`` then scores), else None.
@@ -62,6 +65,7 @@ class History(NamedTuple):
   diagnostics: object
   seconds: list
   labels: list
+  plan: Optional[dict] = None
   argmax_acc: Optional[np.ndarray] = None
 
 
@@ -88,7 +92,8 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
               method_hparams: Optional[dict] = None, description: Optional[str] = None,
               simulation: Optional[Simulation] = None,
               checkpoint_path: Optional[pathlib.Path] = None, fingerprint: str = "",
-              diagnostics: Optional[DiagnosticsSpec] = None) -> History:
+              diagnostics: Optional[DiagnosticsSpec] = None,
+              on_plan: Optional[Callable[[dict], None]] = None) -> History:
   """Runs every (seed, cell) of the batch for ``rounds`` rounds.
 
   Args:
@@ -97,8 +102,8 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     cells: the G' cells (``cells.grid``, ``cells.cell``).
     rounds: T >= 1.
     controls: chunk size (a remainder chunk compiles once more), progress
-      bar, non-finite policy and checkpoint interval (``RunControls``); the
-      data and output locations are not used here.
+      bar, non-finite policy, checkpoint interval, devices and memory budget
+      (``RunControls``); the data and output locations are not used here.
     method, method_hparams: the method (``methods.make_method``).
     description: label of the progress bar.
     simulation: a ``make_simulation(...)`` to reuse (and not compile again);
@@ -110,12 +115,23 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     fingerprint: identifies the sweep's setup (``checkpoint.fingerprint``).
     diagnostics: compute update diagnostics at these rounds (not with
       checkpoints, which keep only the plain history).
+    on_plan: called with ``devices.Plan.record()`` once the batch's layout is
+      chosen (before the first chunk runs), e.g. to record it in config.json;
+      the plan's line is printed too.
+
+  The runs are split over ``controls.devices`` devices and, if they would not
+  fit ``controls.max_memory``, into sub-batches run one after another
+  (``devices.plan_batch``); one device and one batch is the plain program.
+  Results, checkpoints and histories do not depend on the layout (but for
+  float rounding when it is not the plain program).
 
   Returns:
     The full history (rounds from a resumed checkpoint included).
 
   Raises:
-    ValueError: for ``rounds`` < 1 or a checkpoint of another setup.
+    ValueError: for ``rounds`` < 1, a checkpoint of another setup, a device
+      count above the devices there are, or a batch over the memory budget
+      even in the finest split.
     NonFiniteUpdateError: under the ``error`` policy.
   """
   if rounds < 1:
@@ -123,7 +139,6 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
   if diagnostics is not None and checkpoint_path is not None:
     raise ValueError("diagnostics runs are not checkpointed; drop one of the two")
   sim = simulation or make_simulation(config, federation, diagnostics, method, method_hparams)
-  data = sim_data(federation)
   batch = jax.device_put(cells.batch())
   to_cell_order = np.argsort(cells.order())  # the program runs the cells group by group
   state = sim.init(np.asarray(federation.seeds, np.int32), batch)
@@ -137,13 +152,18 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     parts.append(RoundMetrics(**saved.metrics))
 
   seconds, chunk = [], controls.chunk
+  runner, plan = devices_lib.plan_batch(sim, federation, batch, config, state, start,
+                                        min(chunk, rounds - start), controls.devices,
+                                        controls.max_memory)
+  print(plan.describe())
+  if on_plan is not None:
+    on_plan(plan.record())
   bar = tqdm(total=rounds, initial=start, desc=description, unit="round",
              disable=not controls.progress)
   for index, first in enumerate(range(start, rounds, chunk)):
     size = min(chunk, rounds - first)
     begin = time.perf_counter()
-    state, metrics = sim.run_chunk(state, np.int32(first), batch, data, num_rounds=size)
-    metrics = jax.tree.map(lambda m: m[:, to_cell_order], jax.device_get(metrics))
+    metrics = jax.tree.map(lambda m: m[:, to_cell_order], runner.run(first, size))
     seconds.append(time.perf_counter() - begin)
     parts.append(metrics)
     bar.update(size)
@@ -155,10 +175,11 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     if checkpoint_path is not None and ((index + 1) % controls.checkpoint_every == 0
                                         or done == rounds):
       ckpt.save(checkpoint_path, ckpt.Checkpoint(
-          state=jax.device_get(state), metrics=_join(parts)._asdict(), next_round=done,
+          state=runner.state(), metrics=_join(parts)._asdict(), next_round=done,
           fingerprint=fingerprint))
   bar.close()
-  return History(**_join(parts)._asdict(), seconds=seconds, labels=cells.labels)
+  return History(**_join(parts)._asdict(), seconds=seconds, labels=cells.labels,
+                 plan=plan.record())
 
 
 def _join(parts: list[RoundMetrics]) -> RoundMetrics:
