@@ -110,8 +110,12 @@ def add_sweep_flags(parser: argparse.ArgumentParser) -> None:
                       help="chunks between checkpoints of the whole simulation state "
                            "(default: %(default)s)")
   parser.add_argument("--participation", type=float, default=None,
-                      help="share of clients sampled each round, in (0, 1] (default: the "
-                           "preset's, 1 = all)")
+                      help="share of clients sampled each round, in (0, 1]; only they train "
+                           "(default: the preset's, 1 = all)")
+  parser.add_argument("--eval-every", type=int, default=1, metavar="K",
+                      help="evaluate the global model every K rounds and in each of the --last "
+                           "rounds; other rounds hold NaN in the histories (default: "
+                           "%(default)s, every round)")
   parser.add_argument("--resume", type=pathlib.Path, default=None, metavar="DIR",
                       help="continue the interrupted run in DIR with its own config.json "
                            f"(only {', '.join(RESUME_FLAGS)} apply; any other flag is a usage "
@@ -234,12 +238,13 @@ def run_controls(args, nonfinite: str) -> RunControls:
   ``nonfinite`` is the script's default policy when ``--nonfinite`` is not given.
 
   Raises:
-    ValueError: for a chunk or checkpoint interval < 1.
+    ValueError: for a chunk, checkpoint or evaluation interval < 1.
   """
   return RunControls(out_dir=args.out, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
                      verify=not args.no_verify, chunk=args.chunk, progress=not args.no_progress,
                      nonfinite=args.nonfinite or nonfinite,
-                     checkpoint_every=args.checkpoint_every, overwrite=args.overwrite)
+                     checkpoint_every=args.checkpoint_every, overwrite=args.overwrite,
+                     eval_every=args.eval_every)
 
 
 def guarded(parser: argparse.ArgumentParser, run: Callable[[], object],

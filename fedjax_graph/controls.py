@@ -12,7 +12,8 @@ class RunControls:
   """The run controls shared by every experiment (grid, table, ablation, dissection).
 
   None of them changes what a run computes: a run gives the same results with
-  any chunk size, checkpoint interval, progress bar or resume.
+  any chunk size, checkpoint interval, progress bar, evaluation interval or
+  resume (``eval_every`` only leaves some rounds' scores unrecorded).
 
   Attributes:
     out_dir: where to write; None: ``results/<dataset>-<setting>[-<kind>]-<timestamp>``.
@@ -26,6 +27,9 @@ class RunControls:
     checkpoint_every: chunks between checkpoints of the whole simulation state.
     resume: continue the unfinished run in ``out_dir``.
     overwrite: replace a finished or unfinished run in ``out_dir``.
+    eval_every: evaluate the global model every k rounds and in every one of
+      the final rounds the summaries read (``last``); the scores of the other
+      rounds are NaN (predicted classes -1) and cost nothing. 1: every round.
 
   Raises:
     ValueError: (on construction) naming the first bad value and what is allowed.
@@ -40,9 +44,10 @@ class RunControls:
   checkpoint_every: int = 1
   resume: bool = False
   overwrite: bool = False
+  eval_every: int = 1
 
   def __post_init__(self):
-    for name in ("chunk", "checkpoint_every"):
+    for name in ("chunk", "checkpoint_every", "eval_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} = {getattr(self, name)}; must be >= 1")
     if self.nonfinite not in NONFINITE_POLICIES:

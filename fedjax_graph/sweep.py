@@ -19,8 +19,8 @@ from fedjax_graph.cells import Cells
 from fedjax_graph.config import Config
 from fedjax_graph.controls import RunControls
 from fedjax_graph.data import Federation
-from fedjax_graph.simulation import (DiagnosticsSpec, RoundMetrics, Simulation, make_simulation,
-                                     sim_data)
+from fedjax_graph.simulation import (DiagnosticsSpec, EvalSchedule, RoundMetrics, Simulation,
+                                     make_simulation, sim_data)
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -88,7 +88,8 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
               method_hparams: Optional[dict] = None, description: Optional[str] = None,
               simulation: Optional[Simulation] = None,
               checkpoint_path: Optional[pathlib.Path] = None, fingerprint: str = "",
-              diagnostics: Optional[DiagnosticsSpec] = None) -> History:
+              diagnostics: Optional[DiagnosticsSpec] = None,
+              last: Optional[int] = None) -> History:
   """Runs every (seed, cell) of the batch for ``rounds`` rounds.
 
   Args:
@@ -97,8 +98,8 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     cells: the G' cells (``cells.grid``, ``cells.cell``).
     rounds: T >= 1.
     controls: chunk size (a remainder chunk compiles once more), progress
-      bar, non-finite policy and checkpoint interval (``RunControls``); the
-      data and output locations are not used here.
+      bar, non-finite policy, checkpoint interval and evaluation interval
+      (``RunControls``); the data and output locations are not used here.
     method, method_hparams: the method (``methods.make_method``).
     description: label of the progress bar.
     simulation: a ``make_simulation(...)`` to reuse (and not compile again);
@@ -110,16 +111,28 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     fingerprint: identifies the sweep's setup (``checkpoint.fingerprint``).
     diagnostics: compute update diagnostics at these rounds (not with
       checkpoints, which keep only the plain history).
+    last: the final rounds the summaries read, all evaluated whatever
+      ``controls.eval_every`` (needed when it is > 1).
 
   Returns:
-    The full history (rounds from a resumed checkpoint included).
+    The full history (rounds from a resumed checkpoint included); with
+    ``controls.eval_every`` k > 1, rounds neither a multiple of k nor among
+    the ``last`` hold NaN scores and -1 predicted classes
+    (``simulation.EvalSchedule``).
 
   Raises:
-    ValueError: for ``rounds`` < 1 or a checkpoint of another setup.
+    ValueError: for ``rounds`` < 1, ``controls.eval_every`` > 1 without
+      ``last`` in [1, rounds], or a checkpoint of another setup.
     NonFiniteUpdateError: under the ``error`` policy.
   """
   if rounds < 1:
     raise ValueError(f"rounds = {rounds}; must be >= 1")
+  schedule = EvalSchedule()
+  if controls.eval_every > 1:
+    if last is None or not 1 <= last <= rounds:
+      raise ValueError(f"eval_every = {controls.eval_every} needs the final rounds to evaluate: "
+                       f"last = {last}; must be in [1, rounds = {rounds}]")
+    schedule = EvalSchedule(controls.eval_every, rounds - last)
   if diagnostics is not None and checkpoint_path is not None:
     raise ValueError("diagnostics runs are not checkpointed; drop one of the two")
   sim = simulation or make_simulation(config, federation, diagnostics, method, method_hparams)
@@ -142,12 +155,15 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
   for index, first in enumerate(range(start, rounds, chunk)):
     size = min(chunk, rounds - first)
     begin = time.perf_counter()
-    state, metrics = sim.run_chunk(state, np.int32(first), batch, data, num_rounds=size)
+    state, metrics = sim.run_chunk(state, np.int32(first), batch, data, num_rounds=size,
+                                   schedule=schedule)
     metrics = jax.tree.map(lambda m: m[:, to_cell_order], jax.device_get(metrics))
     seconds.append(time.perf_counter() - begin)
     parts.append(metrics)
     bar.update(size)
-    bar.set_postfix(avg_test=f"{100 * np.nanmean(metrics.test_acc[..., -1, :]):.1f}%")
+    shown = np.flatnonzero(schedule.evaluated(np.arange(first, first + size)))
+    if len(shown):  # the chunk's last evaluated round
+      bar.set_postfix(avg_test=f"{100 * np.nanmean(metrics.test_acc[..., shown[-1], :]):.1f}%")
     if controls.nonfinite == "error" and metrics.nonfinite.any():
       bar.close()
       raise NonFiniteUpdateError(describe_nonfinite(metrics.nonfinite, first, federation, cells))
