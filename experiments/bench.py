@@ -6,10 +6,14 @@
 Times the first ``run_chunk`` call (compile + run) and a second of the same
 shape (run only), then the same rounds with every client, cell and seed in a
 Python loop (same keys, so the final accuracies must agree), and prints the
-speed-up. Every number is measured in this run.
+speed-up. Then the round time with a share q of clients sampled (only they
+train, ``--compare-participation``) against q = 1, and with evaluation every
+k rounds (``--compare-eval-every``) against every round, each a ratio of
+chunks of ``--schedule-rounds`` rounds. Every number is measured in this run.
 """
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 import time
@@ -22,8 +26,8 @@ import numpy as np  # noqa: E402
 from fedjax_graph import cells as cells_lib  # noqa: E402
 from fedjax_graph import cli  # noqa: E402
 from fedjax_graph.data import build_federation, load_dataset  # noqa: E402
-from fedjax_graph.simulation import (client_keys, for_each_client, make_simulation,  # noqa: E402
-                                     sim_data)
+from fedjax_graph.simulation import (EvalSchedule, client_keys, for_each_client,  # noqa: E402
+                                     make_simulation, participant_count, sim_data, slot_groups)
 
 
 def timed(fn, *args, **kwargs):
@@ -80,6 +84,48 @@ def looped_runs(sim, federation, state0, cells, data, rounds, warmup):
   return None if warmup else final
 
 
+def round_seconds(sim, batch, data, seeds, rounds, schedule):
+  """Seconds per round of a chunk of ``rounds``: its second call (run only; the first compiles)."""
+  state = sim.init(np.asarray(seeds, np.int32), batch)
+  state, _ = timed(sim.run_chunk, state, np.int32(0), batch, data, num_rounds=rounds,
+                   schedule=schedule)[0]
+  _, seconds = timed(sim.run_chunk, state, np.int32(rounds), batch, data, num_rounds=rounds,
+                     schedule=schedule)
+  return seconds / rounds
+
+
+def schedule_ratios(config, federation, cells, data, seeds, q, k, rounds):
+  """Prints round times with q of the clients sampled and with evaluation every k rounds, vs 1."""
+  batch = jax.device_put(cells.batch())
+  # Evaluate every k rounds; the final rounds (none here: final_from is past the chunks) aside.
+  schedules = {1: EvalSchedule(), k: EvalSchedule(k, 10**9)}
+  times = {}
+  for share in (1.0, q):
+    sim = make_simulation(dataclasses.replace(config, participation=share), federation)
+    for every, schedule in schedules.items():
+      times[share, every] = round_seconds(sim, batch, data, seeds, rounds, schedule)
+      print(f"  q={share:g}, evaluation every {every} round(s): {times[share, every]:.3f} s per "
+            f"round ({rounds}-round chunks, {len(cells)} cells x {len(seeds)} seed(s))")
+  m, C = participant_count(q, federation.num_clients), federation.num_clients
+  groups = slot_groups(federation, m)
+  # Local training's work: the training rows a rows backbone (PMLP-GCN) steps over, padded.
+  slot_rows = sum(g.size * g.train_rows for g in groups)
+  all_rows = sum(len(c) * r for c, r in zip(federation.bucket_clients,
+                                            federation.bucket_train_rows))
+  print(f"  q={q:g}: m={m} of C={C} clients train, in {len(groups)} slot group(s) "
+        f"{[(g.size, g.train_rows) for g in groups]} (slots, training rows each): "
+        f"{slot_rows} of {all_rows} padded training rows = {slot_rows / all_rows:.2f} of the "
+        f"local work (m/C = {m / C:.2f})")
+  for every in schedules:
+    print(f"  round time q={q:g} / q=1, evaluation every {every}: "
+          f"{times[q, every] / times[1.0, every]:.2f} (a 1/q speed-up would be {m / C:.2f}, "
+          f"the slots' share of the local work is {slot_rows / all_rows:.2f})")
+  for share in (1.0, q):
+    print(f"  round time evaluation every {k} / every round, q={share:g}: "
+          f"{times[share, k] / times[share, 1]:.2f}")
+  return times
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,9 +141,22 @@ def main(argv=None):
   parser.add_argument("--raw-dir", type=pathlib.Path, default=None)
   parser.add_argument("--cache-dir", type=pathlib.Path, default=None)
   parser.add_argument("--skip-loop", action="store_true", help="skip the Python-loop reference")
+  # Not --participation: that one is the config's (cli.SHORTCUTS), for every measurement.
+  parser.add_argument("--compare-participation", type=float, default=0.2,
+                      help="share q of clients sampled, timed against q = 1 (default: %(default)s)")
+  parser.add_argument("--compare-eval-every", type=int, default=10,
+                      help="evaluation interval k timed against every round (default: %(default)s)")
+  parser.add_argument("--schedule-rounds", type=int, default=10,
+                      help="rounds per timed chunk of those two comparisons (default: %(default)s)")
+  parser.add_argument("--skip-schedule", action="store_true",
+                      help="skip the participation and evaluation-interval timings")
   args = parser.parse_args(argv)
   if args.rounds < 1:
     parser.error(f"--rounds {args.rounds}: must be >= 1")
+  if (not 0 < args.compare_participation < 1 or args.compare_eval_every < 2
+      or args.schedule_rounds < 1):
+    parser.error("--compare-participation must be in (0, 1), --compare-eval-every >= 2 and "
+                 "--schedule-rounds >= 1")
   if args.config is None:
     args.dataset = args.dataset or "twitch"
     args.setting = args.setting or ("s3" if args.dataset == "twitch" else None)
@@ -127,9 +186,10 @@ def main(argv=None):
   (state, first_metrics), first_s = timed(sim.run_chunk, state0, np.int32(0), batch, data,
                                           num_rounds=R)
   _, second_s = timed(sim.run_chunk, state, np.int32(R), batch, data, num_rounds=R)
-  assert sim.trace_count[0] == 1, f"run_chunk traced {sim.trace_count[0]} times"
+  traces = sim.trace_count[0]  # the timings below trace chunks of other shapes
+  assert traces == 1, f"run_chunk traced {traces} times"
   print(f"  first call (compile + run): {first_s:.3f} s; second call (run): {second_s:.3f} s; "
-        f"compile ~ {first_s - second_s:.3f} s; trace_count = {sim.trace_count[0]}")
+        f"compile ~ {first_s - second_s:.3f} s; trace_count = {traces}")
   vec_rc, vec_steps = rates("second call", second_s, R, G * S, C, steps)
   # The program returns the cells group by group; put them in cell order.
   vec_final = np.asarray(first_metrics.test_acc[:, np.argsort(cells.order()), -1])  # [S, G', D]
@@ -147,11 +207,19 @@ def main(argv=None):
           f"= {max_diff:.2e}; results match: {match}")
     loop = (warm_s, loop_s, loop_rc, loop_steps, match, max_diff)
 
+  schedule = None
+  if not args.skip_schedule:
+    q, k = args.compare_participation, args.compare_eval_every
+    print(f"== only sampled clients train (q={q:g}) and evaluation every {k} rounds, against "
+          "q=1 and every round")
+    schedule = schedule_ratios(config, federation, cells, data, args.seeds, q, k,
+                               args.schedule_rounds)
+
   print(f"== summary ({config.dataset} {config.setting}: C={C}, G'={G}, S={S}, {R} rounds/call, "
         f"{steps} local steps)")
   print(f"  vectorised: compile ~{first_s - second_s:.2f} s, {second_s:.3f} s per {R} rounds, "
         f"{vec_rc:.2f} round-cells/s ({second_s / (R * G * S) * 1e3:.1f} ms each), "
-        f"{vec_steps:.0f} client-steps/s, trace_count {sim.trace_count[0]}")
+        f"{vec_steps:.0f} client-steps/s, trace_count {traces}")
   if loop:
     warm_s, loop_s, loop_rc, loop_steps, match, max_diff = loop
     print(f"  python loop: warm-up {warm_s:.2f} s, {loop_s:.3f} s per {R} rounds, "
@@ -159,6 +227,11 @@ def main(argv=None):
           f"{loop_steps:.0f} client-steps/s")
     print(f"  speed-up (round-cells/s): {vec_rc / loop_rc:.1f}x; results match: {match} "
           f"(max diff {max_diff:.1e})")
+  if schedule:
+    q, k = args.compare_participation, args.compare_eval_every
+    print(f"  round time q={q:g} / q=1: {schedule[q, 1] / schedule[1.0, 1]:.2f} (evaluating every "
+          f"round), {schedule[q, k] / schedule[1.0, k]:.2f} (every {k}); evaluation every {k} / "
+          f"every round: {schedule[1.0, k] / schedule[1.0, 1]:.2f} (q=1)")
 
 
 if __name__ == "__main__":

@@ -118,8 +118,12 @@ def add_sweep_flags(parser: argparse.ArgumentParser) -> None:
                       help="chunks between checkpoints of the whole simulation state "
                            "(default: %(default)s)")
   parser.add_argument("--participation", type=float, default=None,
-                      help="share of clients sampled each round, in (0, 1] (default: the "
-                           "preset's, 1 = all)")
+                      help="share of clients sampled each round, in (0, 1]; only they train "
+                           "(default: the preset's, 1 = all)")
+  parser.add_argument("--eval-every", type=int, default=1, metavar="K",
+                      help="evaluate the global model every K rounds and in each of the --last "
+                           "rounds; other rounds hold NaN in the histories (default: "
+                           "%(default)s, every round)")
   parser.add_argument("--devices", type=int, default=None, metavar="N",
                       help="split each batch of runs (seeds x cells) over the first N devices "
                            "(default, and with --resume: all); results equal one device's up to "
@@ -251,13 +255,15 @@ def run_controls(args, nonfinite: str) -> RunControls:
   ``nonfinite`` is the script's default policy when ``--nonfinite`` is not given.
 
   Raises:
-    ValueError: for a chunk, checkpoint interval, device count or memory size < 1.
+    ValueError: for a chunk, checkpoint or evaluation interval, device count or memory
+      size < 1.
   """
   return RunControls(out_dir=args.out, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
                      verify=not args.no_verify, chunk=args.chunk, progress=not args.no_progress,
                      nonfinite=args.nonfinite or nonfinite,
                      checkpoint_every=args.checkpoint_every, overwrite=args.overwrite,
-                     devices=args.devices, max_memory=args.max_memory)
+                     eval_every=args.eval_every, devices=args.devices,
+                     max_memory=args.max_memory)
 
 
 def guarded(parser: argparse.ArgumentParser, run: Callable[[], object],

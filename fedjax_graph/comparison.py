@@ -165,13 +165,15 @@ def save_run(path: pathlib.Path, arrays: Mapping, cells: cells_lib.Cells,
 
 def run_cells(config: Config, federation: Federation, cells: cells_lib.Cells, key: str,
               method: str, hparams: Mapping, rounds: int, out_dir: pathlib.Path, setup: Mapping,
-              controls: RunControls, record: Optional[dict] = None) -> tables.RunResult:
+              controls: RunControls, record: Optional[dict] = None,
+              last: Optional[int] = None) -> tables.RunResult:
   """Runs one method over ``cells`` for all seeds (or loads its finished run) and saves it.
 
   The sweep checkpoints to ``checkpoint-<key>.msgpack`` and resumes from it.
   With ``record`` (the run's config.json contents), the sweep's plan (devices,
   sub-batches, memory) goes into its ``batches[key]`` and config.json is
-  written again.
+  written again. ``last``: the final rounds, always evaluated (needed with
+  ``controls.eval_every`` > 1; see ``sweep.run_sweep``).
   """
   path = _run_path(out_dir, key)
   if path.exists():
@@ -187,7 +189,7 @@ def run_cells(config: Config, federation: Federation, cells: cells_lib.Cells, ke
   history = run_sweep(config, federation, cells, rounds, controls, method=method,
                       method_hparams=dict(hparams), description=key,
                       checkpoint_path=checkpoint, fingerprint=fingerprint({**setup, "run": key}),
-                      on_plan=record_plan)
+                      on_plan=record_plan, last=last)
   result = save_run(path, history._asdict(), cells, federation, time.perf_counter() - start)
   remove_file(checkpoint)
   return result
@@ -195,9 +197,13 @@ def run_cells(config: Config, federation: Federation, cells: cells_lib.Cells, ke
 
 def run_reference(name: str, config: Config, federation: Federation, domain_graphs,
                   rounds: int, out_dir: pathlib.Path, setup: Mapping,
-                  controls: RunControls, record: Optional[dict] = None) -> tables.RunResult:
-  """A reference row's run (``references``) on the same seeds and splits, saved like a method's
-  (``record``: as for ``run_cells``)."""
+                  controls: RunControls, record: Optional[dict] = None,
+                  last: Optional[int] = None) -> tables.RunResult:
+  """A reference row's run (``references``) on the same seeds and splits, saved like a method's.
+
+  The majority row is scored on the host in every round, whatever
+  ``controls.eval_every``; ``record`` and ``last`` as for ``run_cells``.
+  """
   own = cells_lib.Cells([cells_lib.cell(cells_lib.BASE, label=references.DISPLAY[name])])
   if name == "majority":
     path = _run_path(out_dir, name)
@@ -212,7 +218,7 @@ def run_reference(name: str, config: Config, federation: Federation, domain_grap
   else:
     method = "local"
   return run_cells(config, federation, own, name, method, {}, rounds, out_dir, setup, controls,
-                   record)
+                   record, last)
 
 
 def _checked(defaults: Optional[Mapping]) -> dict:
@@ -249,6 +255,7 @@ def _record(setup: Mapping, federation: Federation, meta: Mapping, controls: Run
             **extra) -> dict:
   return {**setup, **extra, "status": "running", "num_clients": federation.num_clients,
           "nonfinite": controls.nonfinite, "checkpoint_every": controls.checkpoint_every,
+          "eval_every": controls.eval_every,
           "raw_dir": controls.raw_dir and str(controls.raw_dir),
           "cache_dir": controls.cache_dir and str(controls.cache_dir),
           "data": {"source_sha256": meta.get("source_sha256"),
@@ -289,7 +296,10 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
     aggregators: what replaces each method's own averaging in its other rows
       (``AGGREGATORS``): ``fedia`` (the paper's "+FedIA"), ``gma``, ``fedheal``.
     defaults: ``methods.method_defaults()`` or an equivalent mapping.
-    controls: data and output locations, chunks, checkpoints, policies.
+    controls: data and output locations, chunks, checkpoints, policies, the
+      evaluation interval (``eval_every`` k > 1: ``runs/*.npz`` hold NaN
+      scores and -1 predicted classes in rounds neither a multiple of k nor
+      among the last; the tables and ``select`` read only the last).
     domain_graphs: already loaded domain graphs (skips ``load_dataset``).
 
   Raises:
@@ -329,13 +339,13 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
   for name in method_names:
     if name in references.REFERENCES:
       result = run_reference(name, config, federation, domain_graphs, rounds, out_dir, setup,
-                             controls, record)
+                             controls, record, last)
       rows.append(tables.make_row(result, 0, name, "reference", last))
       seconds[name] = float(result.seconds)
       continue
     cells = method_cells(name, aggregators, settings[name], select)
     result = run_cells(config, federation, cells, name, name, hparams[name], rounds, out_dir,
-                       setup, controls, record)
+                       setup, controls, record, last)
     display = row_label(name)
     rows.append(tables.make_row(result, cells.index(display), name, "base", last))
     for aggregator in aggregators:
@@ -442,7 +452,7 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
             else {n: fedia[n] for n in aggregators_lib.get(aggregator).hparams}))
         for label, aggregator in rows_of])
     result = run_cells(config, federations[config.setting], cells, config.setting, "fedavg",
-                       hparams, rounds, out_dir, setup, controls, record)
+                       hparams, rounds, out_dir, setup, controls, record, last)
     rows = tables.add_deltas([
         tables.make_row(result, cells.index(label), "fedavg",
                         "base" if aggregator == cells_lib.BASE else f"+{aggregator}", last)

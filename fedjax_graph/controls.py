@@ -28,8 +28,9 @@ class RunControls:
   """The run controls shared by every experiment (grid, table, ablation, dissection).
 
   None of them changes what a run computes: a run gives the same results with
-  any chunk size, checkpoint interval, progress bar or resume, and (up to
-  float rounding) on any number of devices and in any split.
+  any chunk size, checkpoint interval, progress bar, evaluation interval or
+  resume (``eval_every`` only leaves some rounds' scores unrecorded), and (up
+  to float rounding) on any number of devices and in any split.
 
   Attributes:
     out_dir: where to write; None: ``results/<dataset>-<setting>[-<kind>]-<timestamp>``.
@@ -43,6 +44,9 @@ class RunControls:
     checkpoint_every: chunks between checkpoints of the whole simulation state.
     resume: continue the unfinished run in ``out_dir``.
     overwrite: replace a finished or unfinished run in ``out_dir``.
+    eval_every: evaluate the global model every k rounds and in every one of
+      the final rounds the summaries read (``last``); the scores of the other
+      rounds are NaN (predicted classes -1) and cost nothing. 1: every round.
     devices: split each batch of runs over this many devices (None: all; see
       ``devices``); the results are those of one device up to float rounding.
     max_memory: bytes per device a batch may take (None: 80 % of a device's
@@ -61,11 +65,12 @@ class RunControls:
   checkpoint_every: int = 1
   resume: bool = False
   overwrite: bool = False
+  eval_every: int = 1
   devices: Optional[int] = None
   max_memory: Optional[int] = None
 
   def __post_init__(self):
-    for name in ("chunk", "checkpoint_every", "devices", "max_memory"):
+    for name in ("chunk", "checkpoint_every", "eval_every", "devices", "max_memory"):
       if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ValueError(f"{name} = {getattr(self, name)}; must be >= 1")
     if self.devices is not None:

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_graph.cells import CellBatch
 from fedjax_graph.data import Federation
-from fedjax_graph.simulation import Simulation, host_data
+from fedjax_graph.simulation import EvalSchedule, Simulation, host_data
 
 AXIS = "runs"
 """The name of the mesh axis the runs are split along."""
@@ -208,7 +208,7 @@ def sharded_chunk(sim: Simulation, mesh: Mesh) -> Callable:
   """``sim.run_runs`` over ``mesh``: runs split along ``AXIS``, data and the first round replicated.
 
   Returns the jitted ``chunk(states, first_round, batch, seed_index, data,
-  num_rounds)`` -> ``(states, metrics)`` of ``Simulation.run_runs`` with
+  num_rounds, schedule=EvalSchedule())`` -> ``(states, metrics)`` of ``Simulation.run_runs`` with
   every run-indexed leaf (states, batch values, seed rows, metrics) split
   along its axis 0; memoised per simulation and mesh.
   """
@@ -216,15 +216,16 @@ def sharded_chunk(sim: Simulation, mesh: Mesh) -> Callable:
   if key not in _SHARDED:
     runs, same = PartitionSpec(AXIS), PartitionSpec()
 
-    def chunk(states, first_round, batch, seed_index, data, num_rounds):
-      body = lambda *args: sim.run_runs(*args, num_rounds=num_rounds)
+    def chunk(states, first_round, batch, seed_index, data, num_rounds,
+              schedule=EvalSchedule()):
+      body = lambda *args: sim.run_runs(*args, num_rounds=num_rounds, schedule=schedule)
       # check_vma off: the body never communicates, so there is nothing for
       # the varying-axes check to guard (and no psum for it to insert).
       return jax.shard_map(body, mesh=mesh, in_specs=(runs, same, runs, runs, same),
                            out_specs=runs, check_vma=False)(states, first_round, batch,
                                                             seed_index, data)
 
-    _SHARDED[key] = jax.jit(chunk, static_argnames="num_rounds")
+    _SHARDED[key] = jax.jit(chunk, static_argnames=("num_rounds", "schedule"))
   return _SHARDED[key]
 
 
@@ -390,8 +391,9 @@ class Plan(NamedTuple):
 class SingleRunner:
   """Today's program: the whole batch on one device (``Simulation.run_chunk``)."""
 
-  def __init__(self, sim: Simulation, state, batch: CellBatch, data):
-    self.sim, self.batch, self.data = sim, batch, data
+  def __init__(self, sim: Simulation, state, batch: CellBatch, data,
+               schedule: EvalSchedule = EvalSchedule()):
+    self.sim, self.batch, self.data, self.schedule = sim, batch, data, schedule
     self._state = jax.device_put(state)
 
   def compiled_bytes(self, first: int, size: int) -> Optional[int]:
@@ -400,12 +402,12 @@ class SingleRunner:
     if lower is None:
       return None
     return xla_bytes(lower(self._state, np.int32(first), self.batch, self.data,
-                           num_rounds=size).compile())
+                           num_rounds=size, schedule=self.schedule).compile())
 
   def run(self, first: int, size: int):
     """``size`` rounds from round ``first``: metrics (host) [S, G', L, ...], groups in order."""
     self._state, metrics = self.sim.run_chunk(self._state, np.int32(first), self.batch,
-                                              self.data, num_rounds=size)
+                                              self.data, num_rounds=size, schedule=self.schedule)
     return jax.device_get(metrics)
 
   def state(self):
@@ -417,8 +419,9 @@ class ShardedRunner:
   """The flat layout: sub-batches one after another, each split over the mesh."""
 
   def __init__(self, sim: Simulation, mesh: Mesh, run_layout: RunLayout, state,
-               batch: CellBatch, federation: Federation):
-    self.layout, self.chunk = run_layout, sharded_chunk(sim, mesh)
+               batch: CellBatch, federation: Federation,
+               schedule: EvalSchedule = EvalSchedule()):
+    self.layout, self.chunk, self.schedule = run_layout, sharded_chunk(sim, mesh), schedule
     runs = NamedSharding(mesh, PartitionSpec(AXIS))
     self.data = place(host_data(federation), NamedSharding(mesh, PartitionSpec()))
     self.states = [place(s, runs) for s in run_layout.to_runs(to_host(state))]
@@ -427,7 +430,7 @@ class ShardedRunner:
 
   def compiled_bytes(self, first: int, size: int) -> Optional[int]:
     compiled = self.chunk.lower(self.states[0], np.int32(first), *self.inputs[0], self.data,
-                                num_rounds=size).compile()
+                                num_rounds=size, schedule=self.schedule).compile()
     measured = xla_bytes(compiled)
     return None if measured is None else measured + self.waiting
 
@@ -435,7 +438,7 @@ class ShardedRunner:
     parts = []
     for b, inputs in enumerate(self.inputs):
       self.states[b], metrics = self.chunk(self.states[b], np.int32(first), *inputs, self.data,
-                                           num_rounds=size)
+                                           num_rounds=size, schedule=self.schedule)
       if self.layout.splits > 1:  # one sub-batch's temporaries at a time
         jax.block_until_ready(metrics)
       parts.append(metrics)
@@ -448,7 +451,8 @@ class ShardedRunner:
 
 def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, config, state,
                first: int, size: int, devices: Optional[int] = None,
-               max_memory: Optional[int] = None, attempts: int = 3):
+               max_memory: Optional[int] = None, schedule: EvalSchedule = EvalSchedule(),
+               attempts: int = 3):
   """Chooses the layout of a batch, compiles its program and returns ``(runner, Plan)``.
 
   The analytic ``estimate`` picks the fewest sub-batches that fit the budget
@@ -465,6 +469,7 @@ def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, config
     first, size: the first chunk's round and length (its shape is compiled).
     devices: N (None: all devices).
     max_memory: the budget in bytes per device (None: ``default_budget``).
+    schedule: the rounds evaluated (``simulation.EvalSchedule``).
     attempts: the most programs compiled to find the split (>= 1).
 
   Raises:
@@ -483,9 +488,9 @@ def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, config
                                  None)
   splits, need, best = fewest(est.total) or finest, {}, None
   for _ in range(attempts):
-    runner = (SingleRunner(sim, state, batch, jax.device_put(host_data(federation)))
+    runner = (SingleRunner(sim, state, batch, jax.device_put(host_data(federation)), schedule)
               if lay(splits).trivial else
-              ShardedRunner(sim, mesh, lay(splits), state, batch, federation))
+              ShardedRunner(sim, mesh, lay(splits), state, batch, federation, schedule))
     measured = runner.compiled_bytes(first, size) if size > 0 else None
     need[splits] = est.total(lay(splits)) if measured is None else measured
     if need[splits] <= budget and (best is None or splits < best[1].layout.splits):

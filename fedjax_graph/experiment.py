@@ -22,6 +22,7 @@ from fedjax_graph.controls import RunControls
 from fedjax_graph.data import build_federation, load_dataset
 from fedjax_graph.rundir import (CHECKPOINT, check_run_args, default_out_dir, prepare_out_dir,
                                  provenance, read_record, remove_outputs, resumed)
+from fedjax_graph.simulation import EvalSchedule
 from fedjax_graph.sweep import run_sweep
 
 OUTPUTS = ("config.json", "history.npz", "summary.csv", "heatmap.png", "curves.png", CHECKPOINT)
@@ -40,7 +41,10 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
       hyper-parameters left out take their defaults.
     seeds: the S seeds (vmapped with the cells).
     rounds: T. last: rounds summarised at the end, 1 <= last <= T.
-    controls: data and output locations, chunks, checkpoints, policies.
+    controls: data and output locations, chunks, checkpoints, policies, the
+      evaluation interval (with ``eval_every`` k > 1, history.npz holds NaN
+      scores and -1 predicted classes in rounds neither a multiple of k nor
+      among the last; the summary reads only the last).
     domain_graphs: already loaded domain graphs (skips ``load_dataset``).
 
   Returns:
@@ -67,7 +71,8 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
 
   setup = {"config": config.to_dict(), "aggregator": aggregator, "grid": grid,
            "seeds": [int(s) for s in seeds], "rounds": rounds, "chunk": controls.chunk}
-  record = {**setup, "last": last, "nonfinite": controls.nonfinite, "status": "running",
+  record = {**setup, "last": last, "eval_every": controls.eval_every,
+            "nonfinite": controls.nonfinite, "status": "running",
             "raw_dir": controls.raw_dir and str(controls.raw_dir),
             "cache_dir": controls.cache_dir and str(controls.cache_dir),
             "num_clients": federation.num_clients,
@@ -86,7 +91,7 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
   history = run_sweep(config, federation, cells, rounds, controls,
                       description=f"{config.dataset}-{config.setting}",
                       checkpoint_path=out_dir / CHECKPOINT, fingerprint=fingerprint(setup),
-                      on_plan=record_plan)
+                      on_plan=record_plan, last=last)
   wall = time.perf_counter() - start
 
   base = cells.index("FedAvg")
@@ -122,7 +127,9 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
   report.write_summary_csv(rows, out_dir / "summary.csv")
   title = f"{config.dataset} {config.setting}, {config.backbone}, {rounds} rounds, seeds {list(seeds)}"
   report.plot_heatmap(rows, out_dir / "heatmap.png", title=title)
-  report.plot_curves(base_runs.acc, grid_runs.acc, rows, out_dir / "curves.png", title, last=last)
+  evaluated = EvalSchedule(controls.eval_every, rounds - last).evaluated(np.arange(rounds))
+  report.plot_curves(base_runs.acc, grid_runs.acc, rows, out_dir / "curves.png", title, last=last,
+                     evaluated=evaluated)
   report.write_json(out_dir / "config.json", {**record, "status": "finished",
                                               "wall_seconds_this_call": wall,
                                               "chunk_seconds_this_call": history.seconds})

@@ -792,7 +792,8 @@ def _avg_curve(acc: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
 
 def plot_curves(base_acc: np.ndarray, cells_acc: np.ndarray,
                 rows: Sequence[Row], path: str | os.PathLike, title: str,
-                *, last: int | None = None, base_method: str = FEDAVG) -> list[str]:
+                *, last: int | None = None, base_method: str = FEDAVG,
+                evaluated: np.ndarray | None = None) -> list[str]:
   """Atomically plots AVG accuracy per round: the base method vs the best grid cell.
 
   The best cell is chosen by ``avg_mean`` in ``rows``. Lines are means over
@@ -812,13 +813,16 @@ def plot_curves(base_acc: np.ndarray, cells_acc: np.ndarray,
     last: Number of final rounds that ``summarize`` used; when given, that
       span is shaded. (Rows do not record it, hence the argument.)
     base_method: the base row's method (as passed to ``summarize``).
+    evaluated: bool [T], the rounds evaluated (``--eval-every``); only they
+      are plotted, with a marker on each when some are left out. None:
+      every round.
 
   Returns:
     The legend labels of the base and best-cell lines.
 
   Raises:
-    ValueError: On shape mismatch, ``last`` out of range, or no converged
-      cell to plot.
+    ValueError: On shape mismatch, ``last`` out of range, ``evaluated`` not
+      [T], or no converged cell to plot.
   """
   base_acc = np.asarray(base_acc, dtype=np.float64)
   cells_acc = np.asarray(cells_acc, dtype=np.float64)
@@ -833,6 +837,10 @@ def plot_curves(base_acc: np.ndarray, cells_acc: np.ndarray,
   g = _best_cell_index(rows, "avg_mean", base_method)
   best = cells[g]
   rounds = np.arange(1, num_rounds + 1)
+  shown = np.ones(num_rounds, bool) if evaluated is None else np.asarray(evaluated, bool)
+  if shown.shape != (num_rounds,):
+    raise ValueError(f"evaluated has shape {shown.shape}; expected (T,)=({num_rounds},)")
+  marker = None if shown.all() else "o"
 
   fig, ax = _new_figure(7.0, 4.2)
   if last is not None:
@@ -847,10 +855,11 @@ def plot_curves(base_acc: np.ndarray, cells_acc: np.ndarray,
       (cells_acc[g], label_best, best, "tab:orange")):
     note = _constant_note(row)
     labels.append(f"{label}: {note}" if note else label)
-    mean, std = _avg_curve(acc)
-    ax.plot(rounds, mean, color=color, linewidth=1.6, label=labels[-1])
+    mean, std = _avg_curve(acc[:, shown])
+    ax.plot(rounds[shown], mean, color=color, linewidth=1.6, marker=marker, markersize=3,
+            label=labels[-1])
     if std is not None:
-      ax.fill_between(rounds, mean - std, mean + std, color=color, alpha=0.2,
+      ax.fill_between(rounds[shown], mean - std, mean + std, color=color, alpha=0.2,
                       linewidth=0)
   num_seeds = base_acc.shape[0]
   spread = f"mean ± 1 std over {num_seeds} seeds" if num_seeds >= 2 \
@@ -859,6 +868,8 @@ def plot_curves(base_acc: np.ndarray, cells_acc: np.ndarray,
   ax.set_ylabel("AVG test accuracy (%)")
   ax.set_xlim(0.5, num_rounds + 0.5)
   ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
+  if marker:
+    spread += f", {int(shown.sum())} of {num_rounds} rounds evaluated"
   ax.set_title(f"{title}\nAVG over domains, {spread}" if title
                else f"AVG over domains, {spread}", fontsize=10)
   ax.grid(alpha=0.3)

@@ -132,6 +132,7 @@ def resumed(controls: RunControls, record: Mapping, out_dir: pathlib.Path,
   return controls.replace(
       out_dir=out_dir, resume=True, overwrite=False, chunk=record["chunk"],
       checkpoint_every=record.get("checkpoint_every", 1),
+      eval_every=record.get("eval_every", 1),
       raw_dir=controls.raw_dir or record.get("raw_dir"),
       cache_dir=controls.cache_dir or record.get("cache_dir"),
       nonfinite=nonfinite or record["nonfinite"])

@@ -10,21 +10,23 @@ evaluation graph fuse into one sparse product for all runs of a group
 
 One round (FedIA paper, Algorithm 1; a method from ``methods``, an aggregator
 from ``aggregators``):
-  1. a seeded sample of clients takes part (all with participation 1); every
-     client k starts from the global model W (or its own, for a personal
+  1. a seeded sample of clients takes part (all with participation 1); each
+     participant k starts from the global model W (or its own, for a personal
      method) and runs its local steps with the method's loss term, returning
-     u_k = -(W_k - W)/eta, its new state and its upload;
+     u_k = -(W_k - W)/eta, its new state and its upload (with participation
+     < 1 only the participants train, in fixed slots: ``take_slots``);
   2. the cell's aggregator combines the participants' updates (the method's
      own mean, FedIA, GMA, FedHEAL, ...) with the method's base weights;
   3. the method's server step moves W (FedAvg: W <- W - eta * u, eq. 8) and
      its state with the aggregate and the uploads; participants keep their
      new per-client state;
-  4. the new global model is evaluated on every domain's full graph.
+  4. the new global model is evaluated on every domain's full graph (every
+     round, or as an ``EvalSchedule`` says).
 """
 
 import dataclasses
 import json
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -48,18 +50,22 @@ from fedjax_graph.types import Array, PyTree, Shard
 SAMPLING_STREAM = 2**31 + 1
 
 
+def participant_count(fraction: float, num_clients: int) -> int:
+  """m = max(1, round(fraction * C)): how many clients take part in each round (static)."""
+  return max(1, round(fraction * num_clients))
+
+
 def sample_clients(key: Array, round_index, num_clients: int, fraction: float) -> Array:
   """bool[C]: the clients taking part in round t, a seeded uniform sample.
 
-  ``max(1, round(fraction * C))`` clients without replacement, drawn from
+  ``participant_count(fraction, C)`` clients without replacement, drawn from
   ``fold_in(key, t)``; all clients when that is C (static ``fraction``).
   """
-  count = max(1, round(fraction * num_clients))
+  count = participant_count(fraction, num_clients)
   if count >= num_clients:
     return jnp.ones((num_clients,), bool)
   order = jnp.argsort(jax.random.uniform(jax.random.fold_in(key, round_index), (num_clients,)))
   return jnp.zeros((num_clients,), bool).at[order[:count]].set(True)
-
 
 
 class SimState(NamedTuple):
@@ -100,6 +106,8 @@ class RoundMetrics(NamedTuple):
       aggregator's ``excluded``); see ``make_simulation``.
     predicted_classes: i32[D] how many distinct classes the global model
       predicts on each domain's test nodes (1: a constant prediction).
+      In a round that an ``EvalSchedule`` leaves unevaluated, this is -1 and
+      test_acc, val_acc, test_bacc, test_f1 and argmax_acc are NaN.
     diagnostics: ``diagnostics.RoundDiagnostics`` of the round's client updates
       at the rounds a ``DiagnosticsSpec`` names (zeros at other rounds), or
       None when diagnostics are off.
@@ -129,6 +137,27 @@ class DiagnosticsSpec(NamedTuple):
   """
   rounds: tuple[int, ...]
   top: float = 0.05
+
+
+class EvalSchedule(NamedTuple):
+  """The rounds at which the global model is evaluated (static: part of the compiled program).
+
+  Round t (1-based) is evaluated when t is a multiple of ``every`` or
+  t > ``final_from`` (the final rounds, which the summaries read). With
+  ``every`` = 1 (the default) every round is, with no branch in the program
+  at all. The metrics of other rounds hold NaN scores and -1 predicted
+  classes; training is the same either way.
+
+  Attributes:
+    every: k >= 1.
+    final_from: T - last: every round after it is evaluated.
+  """
+  every: int = 1
+  final_from: int = 0
+
+  def evaluated(self, round_index):
+    """bool (array like ``round_index``, 0-based: t - 1): whether that round is evaluated."""
+    return ((round_index + 1) % self.every == 0) | (round_index >= self.final_from)
 
 
 class SimData(NamedTuple):
@@ -181,21 +210,22 @@ class Simulation(NamedTuple):
       ``owner[n]``'s; a method's ``predict`` reads the method's
       ``server_state``.
     init: ``init(seeds i32[S], batch: CellBatch) -> tuple of SimState``.
-    run_chunk: jitted ``run_chunk(state, first_round, batch, data, num_rounds)``
-      -> ``(state, RoundMetrics with leaves [S, G', num_rounds, ...])``;
-      ``num_rounds`` is static, and so is the batch's layout (its groups).
+    run_chunk: jitted ``run_chunk(state, first_round, batch, data, num_rounds,
+      schedule=EvalSchedule())`` -> ``(state, RoundMetrics with leaves [S, G',
+      num_rounds, ...])``; ``num_rounds`` and ``schedule`` (which rounds are
+      evaluated) are static, and so is the batch's layout (its groups).
     trace_count: a one-element list counting how often ``run_chunk`` (or
       ``run_runs``) was traced (a test guard against recompiling per chunk).
     run_runs: ``run_runs(states, first_round, batch, seed_index, data,
-      num_rounds)`` -> ``(states, metrics)``, not jitted: the same rounds for
-      a flat list of runs (the layout ``devices`` shards over devices and
-      splits into sub-batches). Per group g, ``states[g]`` has leaves
-      [R_g, ...], ``batch.values[g][name]`` f32[R_g] and ``seed_index[g]``
-      i32[R_g] give each run's hyper-parameters and its seed's row of the
-      per-seed data, and ``metrics[g]`` is a ``RoundMetrics`` with leaves
-      [R_g, num_rounds, ...]. A run computes what it computes in
-      ``run_chunk`` (up to float rounding: the per-seed data are gathered per
-      run rather than shared by a seed's cells).
+      num_rounds, schedule=EvalSchedule())`` -> ``(states, metrics)``, not
+      jitted: the same rounds for a flat list of runs (the layout ``devices``
+      shards over devices and splits into sub-batches). Per group g,
+      ``states[g]`` has leaves [R_g, ...], ``batch.values[g][name]`` f32[R_g]
+      and ``seed_index[g]`` i32[R_g] give each run's hyper-parameters and its
+      seed's row of the per-seed data, and ``metrics[g]`` is a
+      ``RoundMetrics`` with leaves [R_g, num_rounds, ...]. A run computes what
+      it computes in ``run_chunk`` (up to float rounding: the per-seed data
+      are gathered per run rather than shared by a seed's cells).
   """
   model: NodeClassifier
   local_update: Callable
@@ -252,11 +282,146 @@ def make_training_input(config: Config, num_domains: int, needs_graph: bool = Fa
   return training_input
 
 
+class SlotGroup(NamedTuple):
+  """Slots of a round that share one padded shape (static; see ``take_slots``).
+
+  Attributes:
+    bucket: b, the largest size bucket a client in these slots can come from.
+    first, size: the slots' range [first, first + size) among the round's m.
+    n_node, n_edge, train_rows: their padded shape, the largest of buckets
+      0..b (node rows, edge slots, training rows).
+  """
+  bucket: int
+  first: int
+  size: int
+  n_node: int
+  n_edge: int
+  train_rows: int
+
+
+class ClientSlots(NamedTuple):
+  """The m participants of a round in fixed slots, grouped by ``SlotGroup``.
+
+  Attributes:
+    clients: per group i32[size], the client in each slot (each participant
+      once, no empty slot).
+    train_rows: per group the training rows its steps see (static ints).
+    shards: per group a ``Shard`` with leaves [size, ...]: each slot's
+      client's shard, padded to the group's shape.
+  """
+  clients: tuple
+  train_rows: tuple
+  shards: tuple
+
+
+def _bucket_of(federation: Federation) -> np.ndarray:
+  """i32[C] each client's size bucket."""
+  bucket_of = np.zeros(federation.num_clients, np.int32)
+  for b, clients in enumerate(federation.bucket_clients):
+    bucket_of[list(clients)] = b
+  return bucket_of
+
+
+def slot_groups(federation: Federation, count: int) -> tuple[SlotGroup, ...]:
+  """The static slot layout of rounds with ``count`` = m participants.
+
+  Slot j takes the shape of the bucket of the federation's j-th largest
+  client (clients ranked by bucket, largest first, then by index), so the m
+  slots are the least padded work that holds *any* m participants: the
+  j-th largest participant is never larger than the j-th largest client.
+  Slots of one bucket form a group (one batched computation).
+  """
+  bucket_of = _bucket_of(federation)
+  ranked = sorted(range(federation.num_clients), key=lambda k: (-bucket_of[k], k))[:count]
+  n_node = [shard.x.shape[-2] for shard in federation.client_shards]
+  n_edge = [shard.senders.shape[-1] for shard in federation.client_shards]
+  groups, first = [], 0
+  for b in sorted(set(bucket_of[ranked].tolist()), reverse=True):
+    size = int(np.sum(bucket_of[ranked] == b))
+    groups.append(SlotGroup(b, first, size, max(n_node[:b + 1]), max(n_edge[:b + 1]),
+                            max(federation.bucket_train_rows[:b + 1])))
+    first += size
+  return tuple(groups)
+
+
+def _pad_shard(shard: Shard, n_node: int, n_edge: int, num_domains: int) -> Shard:
+  """Stacked shards (leaves [k, N, ...], [k, E]) padded to ``n_node`` rows and ``n_edge`` edges.
+
+  New rows are padding as ``graphs.pad_graph`` makes it (zero features and
+  GCN weights, label 0, in no split, domain D); new edges join the last row,
+  a padding row, with weight 0. No real row's output changes.
+  """
+  def grow(leaf, size, value):
+    return jnp.pad(leaf, [(0, 0), (0, size - leaf.shape[1])] + [(0, 0)] * (leaf.ndim - 2),
+                   constant_values=value)
+
+  rows = lambda leaf, value=0: grow(leaf, n_node, value)
+  edges = lambda leaf, value=0: grow(leaf, n_edge, value)
+  return Shard(x=rows(shard.x), y=rows(shard.y), senders=edges(shard.senders, n_node - 1),
+               receivers=edges(shard.receivers, n_node - 1), edge_weight=edges(shard.edge_weight),
+               self_weight=rows(shard.self_weight), train=rows(shard.train, False),
+               val=rows(shard.val, False), test=rows(shard.test, False),
+               node_domain=rows(shard.node_domain, num_domains))
+
+
+def take_slots(federation: Federation, shards: tuple[Shard, ...], sampled: Array,
+               count: int) -> ClientSlots:
+  """The sampled clients of a round gathered into the fixed slots of ``slot_groups``.
+
+  The participants, largest bucket first (then by index), fill the m slots
+  in order; each slot's shard is its client's, padded to the slot's shape.
+  Shapes do not depend on the sample, so nothing recompiles per round.
+
+  Cost: the slots' padded work is the m largest clients', not the sampled
+  ones': with clients of very different sizes a small sample costs more
+  than q of a round (Twitch S3, 20 DE clients of 285 training rows and 10
+  others of 574 to 2,138: q = 0.2, m = 6, trains 11,340 of 22,616 padded
+  training rows, 0.50 of the local work). A layout with min(C_b, m) slots
+  per bucket would cost more (every bucket at its worst case; S3: 18,626
+  rows, 0.82); only shapes that change per round (recompiles) could cost
+  exactly the sample's. Each slot's shard is taken from every bucket its
+  client may come from and the right one kept: (b + 1) gathers for a group
+  of bucket b, small beside the local steps.
+
+  Args:
+    federation: the static layout.
+    shards: per bucket a ``Shard`` with leaves [C_b, ...] (one seed).
+    sampled: bool[C], exactly ``count`` True (``sample_clients``).
+    count: m < C.
+
+  Returns:
+    ``ClientSlots``.
+  """
+  bucket_of = _bucket_of(federation)
+  position = np.zeros(federation.num_clients, np.int32)  # row of each client in its bucket
+  for clients in federation.bucket_clients:
+    position[list(clients)] = np.arange(len(clients))
+  # The participants, largest bucket first; the j-th fits slot j (see slot_groups).
+  order = jnp.argsort(jnp.where(sampled, -bucket_of, len(shards)), stable=True)[:count]
+  clients, train_rows, slot_shards = [], [], []
+  for group in slot_groups(federation, count):
+    ids = order[group.first:group.first + group.size]
+    source, row = jnp.asarray(bucket_of)[ids], jnp.asarray(position)[ids]
+    taken = None
+    for b in range(group.bucket + 1):  # take from each bucket that may hold them, keep the right
+      rows = jnp.minimum(row, len(federation.bucket_clients[b]) - 1)
+      part = _pad_shard(jax.tree.map(lambda leaf: leaf[rows], shards[b]), group.n_node,
+                        group.n_edge, len(federation.domains))
+      keep = lambda new, old: jnp.where((source == b).reshape((-1,) + (1,) * (new.ndim - 1)),
+                                        new, old)
+      taken = part if taken is None else jax.tree.map(keep, part, taken)
+    clients.append(ids)
+    train_rows.append(group.train_rows)
+    slot_shards.append(taken)
+  return ClientSlots(tuple(clients), tuple(train_rows), tuple(slot_shards))
+
+
 def for_each_client(local_update, federation: Federation, training_input: Callable,
-                    start: PyTree, global_params: PyTree, shards: tuple[Shard, ...], keys: Array,
+                    start: PyTree, global_params: PyTree,
+                    shards: Union[tuple[Shard, ...], ClientSlots], keys: Array,
                     client_state: PyTree = (), server_state: PyTree = (),
                     per_client_start: bool = False, backend: str = "vmap") -> ClientOutput:
-  """Every client's local training, rows in client order.
+  """Every client's local training, or only the participants', rows in client order.
 
   Args:
     local_update: from ``client.make_local_update`` (jitted by the caller for
@@ -266,17 +431,22 @@ def for_each_client(local_update, federation: Federation, training_input: Callab
     start: the model the clients start from: the global model, or with
       ``per_client_start`` each client's own (leaves [C, ...]).
     global_params: the global model W.
-    shards: per bucket a ``Shard`` with leaves [C_b, ...] (one seed).
-    keys: [C] one PRNG key per client.
+    shards: per bucket a ``Shard`` with leaves [C_b, ...] (one seed): every
+      client trains; or a round's ``ClientSlots`` (``take_slots``): only
+      the clients in its slots train.
+    keys: [C] one PRNG key per client (client k's is ``keys[k]`` either way).
     client_state: the method's per-client state, leaves [C, ...].
     server_state: the method's server state (shared by all clients).
     per_client_start: see ``start``.
-    backend: ``vmap`` (one batched computation per size bucket: the
-      simulation's) or ``loop`` (a Python loop over clients: the reference
-      for tests and the bench).
+    backend: ``vmap`` (one batched computation per size bucket or slot
+      group: the simulation's) or ``loop`` (a Python loop over clients: the
+      reference for tests and the bench).
 
   Returns:
-    ``ClientOutput`` with leaves [C, ...] (losses f32[C, local_steps]).
+    ``ClientOutput`` with leaves [C, ...] (losses f32[C, local_steps]). With
+    ``ClientSlots``, the rows of clients not in a slot hold zeros (update,
+    losses, upload) and their ``client_state`` as given; the aggregation
+    never reads them (they do not take part).
 
   Raises:
     ValueError: for an unknown backend.
@@ -285,21 +455,35 @@ def for_each_client(local_update, federation: Federation, training_input: Callab
     raise ValueError(f"backend = {backend!r}; choose 'vmap' or 'loop'")
   rows_of = lambda tree, idx: jax.tree.map(lambda leaf: leaf[idx], tree)
   starts = lambda idx: rows_of(start, idx) if per_client_start else start
-  outputs, order = [], np.argsort(np.concatenate(federation.bucket_clients))
-  for clients, rows, shard in zip(federation.bucket_clients, federation.bucket_train_rows,
-                                  shards):
+  slotted = isinstance(shards, ClientSlots)
+  groups = (zip(shards.clients, shards.train_rows, shards.shards) if slotted else
+            zip((np.asarray(c) for c in federation.bucket_clients),
+                federation.bucket_train_rows, shards))
+  outputs = []
+  for idx, rows, shard in groups:
     if backend == "vmap":
-      idx = np.asarray(clients)
       outputs.append(jax.vmap(local_update, in_axes=(0 if per_client_start else None, None,
                                                      0, 0, 0, 0, 0, 0, 0, None))(
           starts(idx), global_params, *training_input(shard, rows), keys[idx],
           rows_of(client_state, idx), server_state))
       continue
-    for j, k in enumerate(clients):
+    for j in range(len(idx)):
+      k = idx[j]
       outputs.append(jax.tree.map(lambda leaf: leaf[None], local_update(
           starts(k), global_params, *training_input(rows_of(shard, j), rows), keys[k],
           rows_of(client_state, k), server_state)))
-  return jax.tree.map(lambda *parts: jnp.concatenate(parts)[order], *outputs)
+  joined = jax.tree.map(lambda *parts: jnp.concatenate(parts), *outputs)
+  if not slotted:
+    order = np.argsort(np.concatenate(federation.bucket_clients))
+    return jax.tree.map(lambda leaf: leaf[order], joined)
+  # Each participant's row to its client's; the others keep zeros or their state.
+  filled = jnp.concatenate(shards.clients)
+  into = lambda rows, base: base.at[filled].set(rows)
+  zeros = lambda rows: into(rows, jnp.zeros((federation.num_clients,) + rows.shape[1:],
+                                            rows.dtype))
+  return ClientOutput(update=jax.tree.map(zeros, joined.update), losses=zeros(joined.losses),
+                      client_state=jax.tree.map(into, joined.client_state, client_state),
+                      upload=jax.tree.map(zeros, joined.upload))
 
 
 def finite_clients(client_updates: PyTree) -> Array:
@@ -357,7 +541,11 @@ def domain_scores(pred: Array, labels: Array, mask: Array, node_domain: Array,
   return Scores(acc, bacc, f1, jnp.sum(predicted > 0, axis=-1).astype(jnp.int32))
 
 
-
+def not_evaluated(shapes: PyTree) -> PyTree:
+  """What an unevaluated round records, shaped like ``shapes``: NaN scores, -1 for integers."""
+  fill = lambda s: jnp.full(s.shape, -1 if jnp.issubdtype(s.dtype, jnp.integer) else jnp.nan,
+                            s.dtype)
+  return jax.tree.map(fill, shapes)
 
 
 _SIMULATIONS: dict = {}
@@ -365,7 +553,8 @@ _SIMULATIONS: dict = {}
 
 def make_simulation(config: Config, federation: Federation,
                     diagnostics: Optional[DiagnosticsSpec] = None, method: str = "fedavg",
-                    method_hparams: Optional[dict] = None) -> Simulation:
+                    method_hparams: Optional[dict] = None, *,
+                    _every_client_trains: bool = False) -> Simulation:
   """Builds the batched round, chunk and init functions for a federation.
 
   The result depends only on the recipe and the federation's static layout, so
@@ -385,6 +574,13 @@ def make_simulation(config: Config, federation: Federation,
       ``config`` with those fields replaced (its own backbone); the local
       training recipe (lr, steps, momentum) stays the config's. Its
       ``model_options`` are then set on the model (``model.clone``).
+    _every_client_trains: with participation < 1, train every client and
+      drop the others' results (the path before slots; a reference for
+      tests). By default only the round's m participants train, in the fixed
+      slots of ``take_slots``, with the same keys and per-client state, so
+      the results are the same (to float rounding: a participant may be
+      padded to a larger shape). With participation 1, and with
+      diagnostics on (they read every client's update), every client trains.
 
   Raises:
     ValueError: for an unknown method or a bad hyper-parameter.
@@ -393,13 +589,15 @@ def make_simulation(config: Config, federation: Federation,
   layout = (json.dumps(config.to_dict(), sort_keys=True), federation.domains,
             federation.num_classes, federation.bucket_clients, federation.bucket_train_rows,
             federation.eval_x.shape[-1], diagnostics, method,
-            json.dumps(hparams, sort_keys=True))
+            json.dumps(hparams, sort_keys=True), _every_client_trains)
   if layout not in _SIMULATIONS:
-    _SIMULATIONS[layout] = _make_simulation(config, federation, diagnostics, method, hparams)
+    _SIMULATIONS[layout] = _make_simulation(config, federation, diagnostics, method, hparams,
+                                            _every_client_trains)
   return _SIMULATIONS[layout]
 
 
-def _make_simulation(config, federation, diagnostics, method_name, method_hparams):
+def _make_simulation(config, federation, diagnostics, method_name, method_hparams,
+                     every_client_trains):
   model = config.model(federation.num_classes)
   method = methods_lib.make_method(method_name, model, config, method_hparams)
   if method.recipe or method.model_options:
@@ -417,6 +615,8 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
             (lambda tree: methods_lib.base.select(tree, lambda p: not method.personal_leaves(p))))
   feature_dim = federation.eval_x.shape[-1]
   trace_count = [0]
+  count = participant_count(config.participation, num_clients)
+  slotted = count < num_clients and diagnostics is None and not every_client_trains
 
   def init_run(seed, aggregator):
     # Keys from the seed alone: every cell (and every method) of a seed starts
@@ -536,20 +736,39 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
       test = test._replace(argmax_acc=scores(test_mask, argmax).acc)
     return test, scores(val_mask).acc
 
-  def run_group(state, group, hparams, t, data):
-    per_cell = jax.vmap(lambda s, h, shards: train_and_aggregate(
-        s, group.aggregator, h, shards, data.train_counts, t), in_axes=(0, 0, None))
-    state, (loss, weights, coverage, nonfinite, diags) = jax.vmap(
-        per_cell, in_axes=(0, None, 0))(state, hparams, data.client_shards)
+  def run_group(state, group, hparams, t, data, evaluate_now=None):
+    if not slotted:
+      per_cell = jax.vmap(lambda s, h, shards: train_and_aggregate(
+          s, group.aggregator, h, shards, data.train_counts, t), in_axes=(0, 0, None))
+      state, (loss, weights, coverage, nonfinite, diags) = jax.vmap(
+          per_cell, in_axes=(0, None, 0))(state, hparams, data.client_shards)
+    else:
+      def per_seed(cells_state, shards):
+        # The sample key is the seed's, the same in every cell: gather the slots once per seed,
+        # outside the vmap over cells, so the cells share them as they share the shards.
+        sampled = sample_clients(cells_state.sample_key[0], t, num_clients, config.participation)
+        slots = take_slots(federation, shards, sampled, count)
+        return jax.vmap(lambda s, h: train_and_aggregate(
+            s, group.aggregator, h, slots, data.train_counts, t))(cells_state, hparams)
+      state, (loss, weights, coverage, nonfinite, diags) = jax.vmap(per_seed)(
+          state, data.client_shards)
     per_cell_eval = jax.vmap(evaluate, in_axes=(0, None, None, None, None, 0))
     evaluated = state.method.clients if method.personal else state.params
-    test, val_acc = jax.vmap(per_cell_eval, in_axes=(0, 0, 0, 0, None, 0))(
+    scores = lambda: jax.vmap(per_cell_eval, in_axes=(0, 0, 0, 0, None, 0))(
         evaluated, data.eval_val, data.eval_test, data.eval_owner, data, state.method.server)
+    if evaluate_now is None:
+      test, val_acc = scores()
+    else:
+      # The round index is the same for every run of the batch and run_group is not under a
+      # vmap, so this is a real branch: a round left out computes no evaluation.
+      test, val_acc = jax.lax.cond(evaluate_now, scores,
+                                   lambda: not_evaluated(jax.eval_shape(scores)))
     return state, RoundMetrics(test.acc, val_acc, test.bacc, test.f1, loss, weights, coverage,
                                nonfinite, test.classes, diags, test.argmax_acc)
 
-  def run_round(states, t, batch: CellBatch, data):
-    results = [run_group(state, group, hparams, t, data)
+  def run_round(states, t, batch: CellBatch, data, schedule=EvalSchedule()):
+    evaluate_now = None if schedule.every == 1 else schedule.evaluated(t)
+    results = [run_group(state, group, hparams, t, data, evaluate_now)
                for state, group, hparams in zip(states, batch.groups, batch.values)]
     states = tuple(state for state, _ in results)
     # Groups' cells side by side: [S, G_g, ...] -> [S, G', ...].
@@ -557,33 +776,46 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
                            *(metrics for _, metrics in results))
     return states, metrics
 
-  def run_chunk(state, first_round, batch, data, num_rounds):
+  def run_chunk(state, first_round, batch, data, num_rounds, schedule=EvalSchedule()):
     trace_count[0] += 1
-    step = lambda s, t: run_round(s, t, batch, data)
+    step = lambda s, t: run_round(s, t, batch, data, schedule)
     state, metrics = jax.lax.scan(step, state, first_round + jnp.arange(num_rounds))
     # scan stacks rounds first: [L, S, G', ...] -> [S, G', L, ...].
     return state, jax.tree.map(lambda m: jnp.moveaxis(m, 0, 2), metrics)
 
-  def run_runs_group(state, group, hparams, seed_index, t, data):
+  def run_runs_group(state, group, hparams, seed_index, t, data, evaluate_now=None):
     # One vmap over the runs (leaves [R, ...]); each run gathers its seed's rows
     # of the per-seed data, the shared data (evaluation graph) stay shared.
     of_seed = lambda tree, s: jax.tree.map(lambda leaf: leaf[s], tree)
-    state, (loss, weights, coverage, nonfinite, diags) = jax.vmap(
-        lambda st, h, s: train_and_aggregate(st, group.aggregator, h,
-                                             of_seed(data.client_shards, s), data.train_counts,
-                                             t))(state, hparams, seed_index)
-    evaluated = state.method.clients if method.personal else state.params
-    test, val_acc = jax.vmap(evaluate, in_axes=(0, 0, 0, 0, None))(
-        evaluated, data.eval_val[seed_index], data.eval_test[seed_index],
-        data.eval_owner[seed_index], data)
-    return state, RoundMetrics(test.acc, val_acc, test.bacc, test.f1, loss, weights, coverage,
-                               nonfinite, test.classes, diags)
 
-  def run_runs(states, first_round, batch, seed_index, data, num_rounds):
+    def per_run(run_state, h, s):
+      shards = of_seed(data.client_shards, s)
+      if slotted:
+        sampled = sample_clients(run_state.sample_key, t, num_clients, config.participation)
+        shards = take_slots(federation, shards, sampled, count)
+      return train_and_aggregate(run_state, group.aggregator, h, shards, data.train_counts, t)
+
+    state, (loss, weights, coverage, nonfinite, diags) = jax.vmap(per_run)(
+        state, hparams, seed_index)
+    evaluated = state.method.clients if method.personal else state.params
+    scores = lambda: jax.vmap(evaluate, in_axes=(0, 0, 0, 0, None, 0))(
+        evaluated, data.eval_val[seed_index], data.eval_test[seed_index],
+        data.eval_owner[seed_index], data, state.method.server)
+    if evaluate_now is None:
+      test, val_acc = scores()
+    else:  # a real branch, as in run_group
+      test, val_acc = jax.lax.cond(evaluate_now, scores,
+                                   lambda: not_evaluated(jax.eval_shape(scores)))
+    return state, RoundMetrics(test.acc, val_acc, test.bacc, test.f1, loss, weights, coverage,
+                               nonfinite, test.classes, diags, test.argmax_acc)
+
+  def run_runs(states, first_round, batch, seed_index, data, num_rounds,
+               schedule=EvalSchedule()):
     trace_count[0] += 1
 
     def step(states, t):
-      results = [run_runs_group(state, group, hparams, seeds, t, data)
+      evaluate_now = None if schedule.every == 1 else schedule.evaluated(t)
+      results = [run_runs_group(state, group, hparams, seeds, t, data, evaluate_now)
                  for state, group, hparams, seeds in zip(states, batch.groups, batch.values,
                                                          seed_index)]
       return tuple(s for s, _ in results), tuple(m for _, m in results)
@@ -594,5 +826,5 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
 
   return Simulation(model=model, local_update=local_update, training_input=training_input,
                     aggregate=aggregate, method=method, evaluate=evaluate, init=jax.jit(init),
-                    run_chunk=jax.jit(run_chunk, static_argnames="num_rounds"),
+                    run_chunk=jax.jit(run_chunk, static_argnames=("num_rounds", "schedule")),
                     trace_count=trace_count, run_runs=run_runs)

@@ -20,7 +20,8 @@ from fedjax_graph.cells import Cells
 from fedjax_graph.config import Config
 from fedjax_graph.controls import RunControls
 from fedjax_graph.data import Federation
-from fedjax_graph.simulation import DiagnosticsSpec, RoundMetrics, Simulation, make_simulation
+from fedjax_graph.simulation import (DiagnosticsSpec, EvalSchedule, RoundMetrics, Simulation,
+                                     make_simulation)
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -93,7 +94,8 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
               simulation: Optional[Simulation] = None,
               checkpoint_path: Optional[pathlib.Path] = None, fingerprint: str = "",
               diagnostics: Optional[DiagnosticsSpec] = None,
-              on_plan: Optional[Callable[[dict], None]] = None) -> History:
+              on_plan: Optional[Callable[[dict], None]] = None,
+              last: Optional[int] = None) -> History:
   """Runs every (seed, cell) of the batch for ``rounds`` rounds.
 
   Args:
@@ -102,8 +104,9 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     cells: the G' cells (``cells.grid``, ``cells.cell``).
     rounds: T >= 1.
     controls: chunk size (a remainder chunk compiles once more), progress
-      bar, non-finite policy, checkpoint interval, devices and memory budget
-      (``RunControls``); the data and output locations are not used here.
+      bar, non-finite policy, checkpoint interval, evaluation interval,
+      devices and memory budget (``RunControls``); the data and output
+      locations are not used here.
     method, method_hparams: the method (``methods.make_method``).
     description: label of the progress bar.
     simulation: a ``make_simulation(...)`` to reuse (and not compile again);
@@ -115,6 +118,8 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     fingerprint: identifies the sweep's setup (``checkpoint.fingerprint``).
     diagnostics: compute update diagnostics at these rounds (not with
       checkpoints, which keep only the plain history).
+    last: the final rounds the summaries read, all evaluated whatever
+      ``controls.eval_every`` (needed when it is > 1).
     on_plan: called with ``devices.Plan.record()`` once the batch's layout is
       chosen (before the first chunk runs), e.g. to record it in config.json;
       the plan's line is printed too.
@@ -126,16 +131,26 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
   float rounding when it is not the plain program).
 
   Returns:
-    The full history (rounds from a resumed checkpoint included).
+    The full history (rounds from a resumed checkpoint included); with
+    ``controls.eval_every`` k > 1, rounds neither a multiple of k nor among
+    the ``last`` hold NaN scores and -1 predicted classes
+    (``simulation.EvalSchedule``).
 
   Raises:
-    ValueError: for ``rounds`` < 1, a checkpoint of another setup, a device
-      count above the devices there are, or a batch over the memory budget
-      even in the finest split.
+    ValueError: for ``rounds`` < 1, ``controls.eval_every`` > 1 without
+      ``last`` in [1, rounds], a checkpoint of another setup, a device count
+      above the devices there are, or a batch over the memory budget even in
+      the finest split.
     NonFiniteUpdateError: under the ``error`` policy.
   """
   if rounds < 1:
     raise ValueError(f"rounds = {rounds}; must be >= 1")
+  schedule = EvalSchedule()
+  if controls.eval_every > 1:
+    if last is None or not 1 <= last <= rounds:
+      raise ValueError(f"eval_every = {controls.eval_every} needs the final rounds to evaluate: "
+                       f"last = {last}; must be in [1, rounds = {rounds}]")
+    schedule = EvalSchedule(controls.eval_every, rounds - last)
   if diagnostics is not None and checkpoint_path is not None:
     raise ValueError("diagnostics runs are not checkpointed; drop one of the two")
   sim = simulation or make_simulation(config, federation, diagnostics, method, method_hparams)
@@ -154,7 +169,7 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
   seconds, chunk = [], controls.chunk
   runner, plan = devices_lib.plan_batch(sim, federation, batch, config, state, start,
                                         min(chunk, rounds - start), controls.devices,
-                                        controls.max_memory)
+                                        controls.max_memory, schedule)
   print(plan.describe())
   if on_plan is not None:
     on_plan(plan.record())
@@ -167,7 +182,9 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     seconds.append(time.perf_counter() - begin)
     parts.append(metrics)
     bar.update(size)
-    bar.set_postfix(avg_test=f"{100 * np.nanmean(metrics.test_acc[..., -1, :]):.1f}%")
+    shown = np.flatnonzero(schedule.evaluated(np.arange(first, first + size)))
+    if len(shown):  # the chunk's last evaluated round
+      bar.set_postfix(avg_test=f"{100 * np.nanmean(metrics.test_acc[..., shown[-1], :]):.1f}%")
     if controls.nonfinite == "error" and metrics.nonfinite.any():
       bar.close()
       raise NonFiniteUpdateError(describe_nonfinite(metrics.nonfinite, first, federation, cells))

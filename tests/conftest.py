@@ -1,9 +1,11 @@
 """Shared fixtures: a tiny synthetic federation and the real MUSAE data location."""
 
+import gc
 import importlib.util
 import os
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -79,3 +81,19 @@ def raw_dir() -> pathlib.Path:
 def prepared_cache(tmp_path_factory) -> pathlib.Path:
   """One prepared-data cache shared by the end-to-end tests of a session."""
   return tmp_path_factory.mktemp("fedjax_graph_cache")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+  """Frees each test module's compiled programs once it is done.
+
+  The suite runs in one process; without this, every module's XLA executables
+  stay cached to the end (CI once crashed compiling late in the suite).
+  """
+  yield
+  from fedjax_graph import devices, simulation
+
+  simulation._SIMULATIONS.clear()
+  devices._SHARDED.clear()
+  jax.clear_caches()
+  gc.collect()

@@ -46,6 +46,13 @@ FOUR_DEVICES = textwrap.dedent("""
                            ("four", dict(devices=4, max_memory=int(0.9 * whole)))):
       experiment.run_grid(cfg, "fedia", grid, seeds, 2, 2, RunControls(
           out_dir=out / name, progress=False, chunk=2, **controls), domain_graphs=graphs)
+    # Half the clients sampled (only they train, in slots), round 1 not evaluated.
+    sampled = config.load_preset("wikinet", hidden=8, max_buckets=1, num_layers=2,
+                                 local_steps=2, participation=0.5)
+    for name, count in (("one_sampled", 1), ("four_sampled", 4)):
+      experiment.run_grid(sampled, "fedia", grid, seeds, 2, 1, RunControls(
+          out_dir=out / name, progress=False, chunk=2, devices=count, eval_every=2),
+          domain_graphs=graphs)
 
     # Today's program called directly (cached): what "one" ran.
     placed = jax.device_put(batch)
@@ -101,6 +108,19 @@ def test_four_devices_in_sub_batches_give_one_devices_results(four_devices):
       np.testing.assert_array_equal(four[name], expected, err_msg=name)
   assert not np.allclose(one["fedia_test"][0], one["fedia_test"][1])  # two real cells
   assert not np.allclose(one["fedavg_test"][0], one["fedavg_test"][1])  # three real seeds
+
+
+def test_sampled_clients_and_skipped_evaluations_shard_like_one_device(four_devices):
+  out, _ = four_devices
+  one, four = (_history(out / name / "history.npz") for name in ("one_sampled", "four_sampled"))
+  assert json.loads((out / "four_sampled" / "config.json").read_text())["batch"]["devices"] == 4
+  for name, expected in one.items():
+    if expected.dtype.kind in "fc":
+      np.testing.assert_allclose(four[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
+    else:
+      np.testing.assert_array_equal(four[name], expected, err_msg=name)
+  assert np.isnan(one["fedia_test"][:, :, 0]).all() and not np.isnan(one["fedia_test"][:, :, 1]).any()
+  assert ((one["alpha"] > 0).sum(-1) < one["alpha"].shape[-1]).all()  # not every client took part
 
 
 def test_one_device_is_todays_program_bit_for_bit(four_devices):
