@@ -1,7 +1,8 @@
-"""Throughput of the vectorised sweep vs a Python loop over clients and runs.
+"""Throughput of the vectorised sweep vs a Python loop over clients and runs; where the time goes.
 
   python experiments/bench.py --raw-dir ../shared/datasets/musae --cache-dir /tmp/fjg_cache
   python experiments/bench.py --dataset wikinet --setting default --rounds 2 --skip-loop
+  python experiments/bench.py --skip-loop --skip-schedule --scaling --plot scaling.png
 
 Times the first ``run_chunk`` call (compile + run) and a second of the same
 shape (run only), then the same rounds with every client, cell and seed in a
@@ -10,22 +11,53 @@ speed-up. Then the round time with a share q of clients sampled (only they
 train, ``--compare-participation``) against q = 1, and with evaluation every
 k rounds (``--compare-eval-every``) against every round, each a ratio of
 chunks of ``--schedule-rounds`` rounds. Every number is measured in this run.
+
+Where the time goes (``breakdown``, skipped with ``--skip-breakdown``): one
+round's three parts, local training (every client's steps), aggregation (the
+cells' aggregators and the server step) and evaluation (every run on the full
+graphs), are each jitted alone on the shapes of the batch (``round_pieces``:
+the same vmaps over seeds x cells x clients as the round) and timed after
+their compile, best of ``--repeats``; their shares are of the three's sum,
+printed beside the fused round (``run_chunk`` of one round), which XLA may
+schedule better or worse than the parts. The local training's matmul FLOPs
+are counted from the shapes (``training_flops``: the dense layers, forward
+and backward; XLA's own cost analysis counts a ``lax.scan`` body once, not
+per step) and set against this machine's matmul peak measured in the same run
+(``matmul_peak``: a large square f32 product, best of ``--repeats``).
+
+Scaling (``--scaling``): seconds per round, one compile per point and
+``--scaling-rounds`` timed rounds, against the number of clients (Twitch DE
+cut into 20, 80, 320 clients, the other countries as the preset, FedAvg and
+FedIA(0.5, 0.5), 1 seed), the number of runs in the batch (1: FedAvg; 26: the
+5 x 5 FedIA grid + FedAvg; 78 and 260: the same with 3 and 10 seeds) and the
+number of devices (1, 2, 4 forced host devices, each in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N``: on one CPU they
+share its cores, so this checks correctness, the final accuracies against 1
+device, not speed). Printed as a table and drawn to ``--plot`` (PNG).
 """
 
 import argparse
 import dataclasses
+import json
+import os
 import pathlib
+import subprocess
 import sys
 import time
+from typing import NamedTuple, Optional, Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fedjax_graph import cells as cells_lib  # noqa: E402
 from fedjax_graph import cli  # noqa: E402
+from fedjax_graph import models  # noqa: E402
+from fedjax_graph.controls import RunControls  # noqa: E402
 from fedjax_graph.data import build_federation, load_dataset  # noqa: E402
+from fedjax_graph.sweep import run_sweep  # noqa: E402
 from fedjax_graph.simulation import (EvalSchedule, client_keys, for_each_client,  # noqa: E402
                                      make_simulation, participant_count, sim_data, slot_groups)
 
@@ -126,6 +158,345 @@ def schedule_ratios(config, federation, cells, data, seeds, q, k, rounds):
   return times
 
 
+class RoundPieces(NamedTuple):
+  """One round of a batch in three separately jittable parts (``round_pieces``).
+
+  Attributes:
+    train: ``train(states, data, t)`` -> per group the clients' ``ClientOutput``
+      (leaves [S, G_g, C, ...]): every client's local steps.
+    aggregate: ``aggregate(states, values, outputs, data)`` -> the new states:
+      each cell's aggregation and the method's server step.
+    evaluate: ``evaluate(states, data)`` -> per group (test ``Scores``,
+      validation accuracy) of every run on the full graphs.
+  """
+  train: callable
+  aggregate: callable
+  evaluate: callable
+
+
+def round_pieces(sim, federation, batch) -> RoundPieces:
+  """The parts of ``sim``'s round for ``batch``, vmapped over seeds x cells as ``run_chunk`` is.
+
+  Every client trains (participation 1, the path of ``run_group`` without
+  slots), so with q < 1 the local part is that of q = 1.
+  """
+  C, method = federation.num_clients, sim.method
+
+  def train(states, data, t):
+    def per_run(s, shards):
+      start = s.method.clients if method.personal else s.params
+      return for_each_client(sim.local_update, federation, sim.training_input, start, s.params,
+                             shards, client_keys(s.key, t, C), s.method.clients,
+                             s.method.server, per_client_start=method.personal)
+    per_cell = jax.vmap(per_run, in_axes=(0, None))
+    return tuple(jax.vmap(per_cell)(state, data.client_shards) for state in states)
+
+  def aggregate(states, values, outputs, data):
+    new = []
+    for state, group, hparams, out in zip(states, batch.groups, values, outputs):
+      per_cell = jax.vmap(lambda s, h, o, name=group.aggregator: sim.aggregate(
+          s, name, h, o, data.train_counts)[0])
+      new.append(jax.vmap(per_cell, in_axes=(0, None, 0))(state, hparams, out))
+    return tuple(new)
+
+  def evaluate(states, data):
+    per_cell = jax.vmap(sim.evaluate, in_axes=(0, None, None, None, None, 0))
+    per_seed = jax.vmap(per_cell, in_axes=(0, 0, 0, 0, None, 0))
+    return tuple(per_seed(state.method.clients if method.personal else state.params,
+                          data.eval_val, data.eval_test, data.eval_owner, data,
+                          state.method.server) for state in states)
+
+  return RoundPieces(train, aggregate, evaluate)
+
+
+def best_seconds(fn, *args, repeats=3):
+  """(fn(*args) ready, the fastest of ``repeats`` timed calls after one untimed call: its compile)."""
+  out = jax.block_until_ready(fn(*args))
+  return out, min(timed(fn, *args)[1] for _ in range(repeats))
+
+
+class Breakdown(NamedTuple):
+  """Seconds of one round of a batch, by part (``breakdown``).
+
+  Attributes:
+    train, aggregate, evaluate: seconds of each part jitted alone.
+    round: seconds of the fused round (``run_chunk`` of 1 round).
+    shares: {part: its share of train + aggregate + evaluate}, summing to 1.
+  """
+  train: float
+  aggregate: float
+  evaluate: float
+  round: float
+  shares: dict
+
+
+def breakdown(sim, federation, batch, data, seeds, repeats=3, jit=jax.jit) -> Breakdown:
+  """Times the three parts of a round (``round_pieces``) and the whole round on the same state.
+
+  ``jit``: how each part (and the round) is compiled (tests pass a faster compile).
+  """
+  pieces = round_pieces(sim, federation, batch)
+  states = jax.block_until_ready(sim.init(np.asarray(seeds, np.int32), batch))
+  t = np.int32(0)
+  outputs, train_s = best_seconds(jit(pieces.train), states, data, t, repeats=repeats)
+  _, aggregate_s = best_seconds(jit(pieces.aggregate), states, batch.values, outputs, data,
+                                repeats=repeats)
+  _, evaluate_s = best_seconds(jit(pieces.evaluate), states, data, repeats=repeats)
+  one_round = jit(lambda s, b, d: sim.run_chunk(s, t, b, d, num_rounds=1))
+  _, round_s = best_seconds(one_round, states, batch, data, repeats=repeats)
+  parts = {"local training": train_s, "aggregation": aggregate_s, "evaluation": evaluate_s}
+  total = sum(parts.values())
+  return Breakdown(train_s, aggregate_s, evaluate_s, round_s,
+                   {name: seconds / total for name, seconds in parts.items()})
+
+
+def training_flops(config, federation, num_runs: int) -> float:
+  """Matmul FLOPs of one round's local training for ``num_runs`` runs (every client trains).
+
+  Per client and local step, each dense layer d_in -> d_out over the r rows
+  a step computes (the bucket's training rows for a ``rows`` backbone with
+  ``norm_rows: train``, else its padded node rows) costs 2 r d_in d_out
+  forward and twice that backward, but the first layer, whose input needs no
+  gradient (once). Propagation, batch norm and elementwise work are not
+  counted (for ``gcn`` the count is then a lower bound).
+  """
+  widths = [federation.eval_x.shape[-1]] + [config.hidden] * (config.num_layers - 1) + [
+      federation.num_classes]
+  layers = list(zip(widths[:-1], widths[1:]))
+  per_row = sum(2 * a * b for a, b in layers) * 3 - 2 * layers[0][0] * layers[0][1]
+  rows_backbone = models.BACKBONES[config.backbone].training_input == "rows"
+  rows = 0
+  for clients, shard, train_rows in zip(federation.bucket_clients, federation.client_shards,
+                                        federation.bucket_train_rows):
+    per_client = train_rows if rows_backbone and config.norm_rows == "train" else shard.x.shape[-2]
+    rows += len(clients) * per_client
+  return float(per_row) * rows * config.local_steps * num_runs
+
+
+def matmul_peak(size=2048, repeats=3) -> float:
+  """FLOP/s of a ``size`` x ``size`` f32 matmul on the default device, the best of ``repeats``."""
+  a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32)
+  b = jax.random.normal(jax.random.PRNGKey(1), (size, size), jnp.float32)
+  _, seconds = best_seconds(jax.jit(jnp.matmul), a, b, repeats=repeats)
+  return 2 * size**3 / seconds
+
+
+def print_breakdown(parts: Breakdown, flops: float, peak: float, runs: int) -> float:
+  """Prints the parts' seconds and shares and the training FLOP/s; returns the share of the peak."""
+  for name, seconds in zip(parts.shares, (parts.train, parts.aggregate, parts.evaluate)):
+    print(f"  {name}: {seconds * 1e3:.1f} ms ({parts.shares[name]:.0%} of the three parts' "
+          f"{(parts.train + parts.aggregate + parts.evaluate) * 1e3:.1f} ms)")
+  print(f"  the fused round: {parts.round * 1e3:.1f} ms ({parts.round / runs * 1e3:.1f} ms per "
+        f"round-cell, {runs} runs)")
+  achieved = flops / parts.train
+  print(f"  local training: {flops / 1e9:.2f} GFLOP of dense-layer matmuls per round "
+        f"({flops / runs / 1e9:.2f} per round-cell) in {parts.train * 1e3:.1f} ms = "
+        f"{achieved / 1e9:.1f} GFLOP/s; matmul peak measured now {peak / 1e9:.1f} GFLOP/s: "
+        f"{achieved / peak:.0%} of it")
+  return achieved / peak
+
+
+SCALING_CLIENTS = (20, 80, 320)
+SCALING_RUNS = (1, 26, 78, 260)
+SCALING_DEVICES = (1, 2, 4)
+
+
+class ScalingRow(NamedTuple):
+  """One point of the scaling table: what varied, the batch, and its time."""
+  axis: str
+  value: int
+  clients: int
+  runs: int
+  devices: int
+  compile_s: float
+  round_s: float
+  max_diff: Optional[float] = None  # devices: max |final test acc - 1 device's|
+
+  @property
+  def round_cell_s(self) -> float:
+    return self.round_s / self.runs
+
+
+def point_cells(runs_per_seed: int):
+  """1: FedAvg alone; 2: FedAvg and FedIA(0.5, 0.5); 26: the 5 x 5 FedIA grid + FedAvg."""
+  if runs_per_seed == 1:
+    return cells_lib.Cells([cells_lib.cell("fedavg")])
+  if runs_per_seed == 2:
+    return cells_lib.grid("fedia", rho=[0.5], beta=[0.5])
+  values = [0.1, 0.3, 0.5, 0.7, 0.9]
+  assert runs_per_seed == 26, runs_per_seed
+  return cells_lib.grid("fedia", rho=values, beta=values)
+
+
+def runs_layout(runs: int) -> tuple[int, int]:
+  """(cells per seed, seeds) of a batch of ``runs`` runs: 1 -> (1, 1), 26 k -> (26, k), else (2, runs / 2)."""
+  if runs == 1:
+    return 1, 1
+  if runs % 26 == 0:
+    return 26, runs // 26
+  if runs % 2 == 0:
+    return 2, runs // 2
+  raise ValueError(f"a batch of {runs} runs: use 1, a multiple of 26 or an even number")
+
+
+def scaling_point(config, domain_graphs, runs: int, rounds: int, axis: str, value: int):
+  """Compile and per-round seconds of a batch of ``runs`` runs of ``config`` (one device)."""
+  per_seed, num_seeds = runs_layout(runs)
+  seeds = list(range(num_seeds))
+  cells = point_cells(per_seed)
+  federation = build_federation(config, domain_graphs, seeds)
+  sim = make_simulation(config, federation)
+  data, batch = sim_data(federation), jax.device_put(cells.batch())
+  state = sim.init(np.asarray(seeds, np.int32), batch)
+  (state, _), first_s = timed(sim.run_chunk, state, np.int32(0), batch, data, num_rounds=rounds)
+  _, second_s = timed(sim.run_chunk, state, np.int32(rounds), batch, data, num_rounds=rounds)
+  return ScalingRow(axis, value, federation.num_clients, runs, 1, first_s - second_s,
+                    second_s / rounds)
+
+
+def devices_point(config, domain_graphs, devices: int, rounds: int, seeds=(0, 1)):
+  """(compile s, seconds per round, final test acc f32[S, G', D]) on ``devices`` devices.
+
+  FedAvg and FedIA(0.5, 0.5) for ``seeds``, through ``run_sweep`` (the
+  ``--devices`` path), two chunks of ``rounds``: the second is the timed one.
+  """
+  cells = point_cells(2)
+  federation = build_federation(config, domain_graphs, list(seeds))
+  history = run_sweep(config, federation, cells, 2 * rounds,
+                      RunControls(chunk=rounds, progress=False, devices=devices))
+  first, second = history.seconds[:2]
+  return first - second, second / rounds, np.asarray(history.test_acc[..., -1, :])
+
+
+def devices_row(devices: int, argv: Sequence[str], reference=None) -> tuple:
+  """Runs ``devices_point`` in a subprocess with ``devices`` forced host devices.
+
+  ``argv``: this script's data and config flags. Returns (ScalingRow without
+  max_diff, final accuracies).
+  """
+  env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
+                                     f" --xla_force_host_platform_device_count={devices}")}
+  done = subprocess.run([sys.executable, __file__, *argv, "--devices-point", str(devices)],
+                        env=env, capture_output=True, text=True, check=False)
+  if done.returncode:
+    raise RuntimeError(f"the {devices}-device point failed:\n{done.stderr[-3000:]}")
+  line = [l for l in done.stdout.splitlines() if l.startswith("DEVICES_POINT ")][-1]
+  got = json.loads(line.split(" ", 1)[1])
+  acc = np.asarray(got["final_acc"])
+  return ScalingRow("devices", devices, got["clients"], acc.shape[0] * acc.shape[1], devices,
+                    got["compile_s"], got["round_s"]), acc
+
+
+def scaling_table(config, domain_graphs, *, domain: Optional[str] = None, clients=SCALING_CLIENTS,
+                  runs=SCALING_RUNS, devices=SCALING_DEVICES, rounds: int = 2,
+                  argv: Sequence[str] = ()) -> list[ScalingRow]:
+  """The scaling rows: ``clients`` (``domain`` cut into that many, FedAvg + FedIA, 1 seed),
+  ``runs`` in the batch (``config`` as given) and ``devices`` (subprocesses; ``argv`` their flags).
+
+  ``domain`` None: the dataset's first (Twitch: DE).
+  """
+  domain = domain or config.domains[0]
+  rows = []
+  for count in clients:
+    cut = dataclasses.replace(config, clients_per_domain={**config.clients_per_domain,
+                                                          domain: count})
+    rows.append(scaling_point(cut, domain_graphs, 2, rounds, "clients", count))
+    print_row(rows[-1])
+  for count in runs:
+    rows.append(scaling_point(config, domain_graphs, count, rounds, "runs", count))
+    print_row(rows[-1])
+  reference = None
+  for count in devices:
+    row, acc = devices_row(count, argv)
+    reference = acc if reference is None else reference
+    rows.append(row._replace(max_diff=float(np.max(np.abs(acc - reference)))))
+    print_row(rows[-1])
+  return rows
+
+
+def print_row(row: ScalingRow) -> None:
+  diff = "" if row.max_diff is None else f"  max |acc - 1 device| {row.max_diff:.1e}"
+  print(f"  {row.axis:>8} {row.value:>5}: C={row.clients:<4} runs={row.runs:<4} "
+        f"devices={row.devices}  compile {row.compile_s:6.1f} s  {row.round_s:8.3f} s/round  "
+        f"{row.round_cell_s * 1e3:8.1f} ms/round-cell{diff}", flush=True)
+
+
+def peak_memory() -> str:
+  """The default device's peak memory in use (an allocator's statistic: GPU/TPU), else the host's."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    return f"{stats['peak_bytes_in_use'] / 2**30:.2f} GiB (device peak_bytes_in_use)"
+  import resource  # CPU: no allocator statistics; the process's peak resident memory instead
+  return (f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (host peak RSS: "
+          "no device statistics on CPU)")
+
+
+def full_run(config, domain_graphs, cells, seeds, rounds: int) -> dict:
+  """Every cell x seed for ``rounds`` rounds through ``run_sweep`` (the grid's path), timed.
+
+  Four equal chunks (or chunks of 1 round when ``rounds`` is not a multiple
+  of 4): compile time is the first chunk's seconds minus the second's (same
+  shape); round-cells/s is over the chunks after the first. Prints and
+  returns the figures.
+  """
+  chunk = rounds // 4 if rounds % 4 == 0 else 1  # equal chunks: one compiled shape
+  federation = build_federation(config, domain_graphs, seeds)
+  start = time.perf_counter()
+  history = run_sweep(config, federation, cells, rounds, RunControls(chunk=chunk, progress=False))
+  wall = time.perf_counter() - start
+  seconds, runs = list(history.seconds), len(cells) * len(seeds)
+  # The first chunk compiles; the others only run (one chunk: no split, compile unknown).
+  compile_s = seconds[0] - seconds[1] if len(seconds) > 1 else float("nan")
+  steady = seconds[1:] or seconds
+  rc_per_s = len(steady) * chunk * runs / sum(steady)
+  final = np.asarray(history.test_acc[..., -1, :])
+  out = dict(wall_s=wall, compile_s=compile_s, round_cells_per_s=rc_per_s, runs=runs,
+             rounds=rounds, chunk=chunk, finite=bool(np.isfinite(final).all()),
+             avg_final_acc=float(np.mean(final)), peak_memory=peak_memory())
+  print(f"== full run: {config.dataset} {config.setting}, {len(cells)} cells x {len(seeds)} "
+        f"seed(s) = {runs} runs x {rounds} rounds on {jax.devices()[0].platform} "
+        f"({jax.devices()[0].device_kind})")
+  print(f"  wall time {wall:.1f} s (data on the host to results, compile included); "
+        f"compile ~{compile_s:.1f} s; {rc_per_s:.1f} round-cells/s "
+        f"({1e3 / rc_per_s:.2f} ms per round-cell) in chunks of {chunk} rounds after the first")
+  print(f"  peak memory: {out['peak_memory']}; final test accuracy, mean over runs and domains: "
+        f"{out['avg_final_acc']:.4f}; all finite: {out['finite']}")
+  print("FULL_RUN " + json.dumps(out))
+  return out
+
+
+def plot_scaling(rows: Sequence[ScalingRow], path: pathlib.Path, title: str) -> None:
+  """Seconds per round against each axis, one panel per axis (log-log where it spans decades)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  axes_names = [a for a in ("clients", "runs", "devices") if any(r.axis == a for r in rows)]
+  fig, axes = plt.subplots(1, len(axes_names), figsize=(4.2 * len(axes_names), 3.6),
+                           squeeze=False)
+  labels = {"clients": "clients C", "runs": "runs in the batch",
+            "devices": "forced host devices (same cores)"}
+  for ax, name in zip(axes[0], axes_names):
+    points = [r for r in rows if r.axis == name]
+    x = [r.clients if name == "clients" else r.value for r in points]
+    ax.plot(x, [r.round_s for r in points], "o-", label="s per round")
+    if name == "runs":
+      ax.plot(x, [r.round_cell_s for r in points], "s--", label="s per round-cell")
+      ax.legend()
+    if name != "devices":
+      ax.set_xscale("log")
+      ax.set_yscale("log")
+    ax.set_xlabel(labels[name])
+    ax.set_ylabel("seconds")
+    ax.grid(True, alpha=0.3)
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,9 +521,30 @@ def main(argv=None):
                       help="rounds per timed chunk of those two comparisons (default: %(default)s)")
   parser.add_argument("--skip-schedule", action="store_true",
                       help="skip the participation and evaluation-interval timings")
-  args = parser.parse_args(argv)
-  if args.rounds < 1:
-    parser.error(f"--rounds {args.rounds}: must be >= 1")
+  parser.add_argument("--skip-breakdown", action="store_true",
+                      help="skip the round's breakdown and the FLOP/s against the matmul peak")
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="timed calls per breakdown part and peak, the best kept (default: 3)")
+  parser.add_argument("--scaling", action="store_true",
+                      help="time per round vs clients, runs in the batch and devices; table, plot")
+  parser.add_argument("--scaling-rounds", type=int, default=2,
+                      help="timed rounds per scaling point (default: %(default)s)")
+  parser.add_argument("--scaling-clients", type=cli.int_list, default="20,80,320",
+                      help="clients the DE graph is cut into (default: %(default)s)")
+  parser.add_argument("--scaling-runs", type=cli.int_list, default="1,26,78,260",
+                      help="runs per batch: 1, multiples of 26 or even (default: %(default)s)")
+  parser.add_argument("--scaling-devices", type=cli.int_list, default="1,2,4",
+                      help="forced host devices; the first is the reference (default: %(default)s)")
+  parser.add_argument("--plot", type=pathlib.Path, default=pathlib.Path("results/bench-scaling.png"),
+                      help="the scaling plot (default: %(default)s)")
+  parser.add_argument("--full-run", type=int, default=None, metavar="ROUNDS",
+                      help="only time the whole --rho x --beta grid + FedAvg x --seeds for ROUNDS "
+                           "rounds through run_sweep (experiments/bench_gpu.sh)")
+  parser.add_argument("--devices-point", type=int, default=None, help=argparse.SUPPRESS)
+  raw_argv = list(sys.argv[1:] if argv is None else argv)
+  args = parser.parse_args(raw_argv)
+  if args.rounds < 1 or args.scaling_rounds < 1 or args.repeats < 1:
+    parser.error("--rounds, --scaling-rounds and --repeats must be >= 1")
   if (not 0 < args.compare_participation < 1 or args.compare_eval_every < 2
       or args.schedule_rounds < 1):
     parser.error("--compare-participation must be in (0, 1), --compare-eval-every >= 2 and "
@@ -166,6 +558,16 @@ def main(argv=None):
   except ValueError as err:
     parser.error(str(err))
   domain_graphs, _ = load_dataset(config.dataset, args.raw_dir, args.cache_dir)
+  if args.devices_point is not None:  # a subprocess of --scaling, with forced host devices
+    compile_s, round_s, acc = devices_point(config, domain_graphs, args.devices_point,
+                                            args.scaling_rounds)
+    print("DEVICES_POINT " + json.dumps({"compile_s": compile_s, "round_s": round_s,
+                                         "clients": config.num_clients,
+                                         "final_acc": acc.tolist()}))
+    return
+  if args.full_run is not None:
+    full_run(config, domain_graphs, cells, args.seeds, args.full_run)
+    return
   federation = build_federation(config, domain_graphs, args.seeds)
   C, G, S, R, steps = (federation.num_clients, len(cells), len(args.seeds), args.rounds,
                        config.local_steps)
@@ -193,6 +595,15 @@ def main(argv=None):
   vec_rc, vec_steps = rates("second call", second_s, R, G * S, C, steps)
   # The program returns the cells group by group; put them in cell order.
   vec_final = np.asarray(first_metrics.test_acc[:, np.argsort(cells.order()), -1])  # [S, G', D]
+
+  parts = None
+  if not args.skip_breakdown:
+    print("== where a round's time goes (each part jitted alone, same shapes; best of "
+          f"{args.repeats})")
+    parts = breakdown(sim, federation, batch, data, federation.seeds, args.repeats)
+    peak = matmul_peak(repeats=args.repeats)
+    flops = training_flops(config, federation, G * S)
+    peak_share = print_breakdown(parts, flops, peak, G * S)
 
   loop = None
   if not args.skip_loop:
@@ -232,6 +643,20 @@ def main(argv=None):
     print(f"  round time q={q:g} / q=1: {schedule[q, 1] / schedule[1.0, 1]:.2f} (evaluating every "
           f"round), {schedule[q, k] / schedule[1.0, k]:.2f} (every {k}); evaluation every {k} / "
           f"every round: {schedule[1.0, k] / schedule[1.0, 1]:.2f} (q=1)")
+  if parts:
+    shares = ", ".join(f"{name} {share:.0%}" for name, share in parts.shares.items())
+    print(f"  a round: {shares}; local training at {peak_share:.0%} of the measured matmul peak "
+          f"({peak / 1e9:.0f} GFLOP/s)")
+
+  if args.scaling:
+    print(f"== scaling ({args.scaling_rounds} timed rounds per point after its compile; "
+          f"precision {config.precision})")
+    rows = scaling_table(config, domain_graphs, clients=args.scaling_clients,
+                         runs=args.scaling_runs, devices=args.scaling_devices,
+                         rounds=args.scaling_rounds, argv=raw_argv)
+    plot_scaling(rows, args.plot, f"{config.dataset} {config.setting}, {config.backbone}, "
+                 f"{jax.devices()[0].platform}: seconds per round")
+    print(f"  plot: {args.plot}")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,11 @@ class Config:
     participation: share of clients sampled to take part in each round, in
       (0, 1]: max(1, round(participation * C)) clients, seeded per seed and
       round (1: every client, every round).
+    precision: ``f32`` (default) or ``bf16``: the matmul inputs (features and
+      weights) of the backbone's dense layers, cast to bfloat16 with f32
+      accumulation (``models.dense``); parameters, propagation, batch norm,
+      aggregation and the optimisers stay f32. Meant for accelerators (on a
+      CPU it is no faster; README "Speed").
 
   Raises:
     ValueError: (on construction) one line per bad value, naming the field and
@@ -143,6 +148,7 @@ class Config:
   max_buckets: Integer = 3
   allow_empty_clients: Flag = False
   participation: Number = 1.0
+  precision: Text = "f32"
 
   def __post_init__(self):
     """Checks every field (see the class docstring); inf and NaN are out of every range."""
@@ -187,6 +193,8 @@ class Config:
     _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
     _check(self.max_buckets >= 1, "max_buckets", self.max_buckets, "an integer >= 1")
     _check(0 < self.participation <= 1, "participation", self.participation, "in (0, 1]")
+    _check(self.precision in models.PRECISIONS, "precision", self.precision,
+           f"one of {list(models.PRECISIONS)}")
 
   def __hash__(self) -> int:
     # The dataclass hash fails on the clients_per_domain dict; hash its items instead.
@@ -203,7 +211,7 @@ class Config:
   def model(self, num_classes: int) -> models.NodeClassifier:
     """The backbone of this recipe for K = ``num_classes``."""
     return models.make_model(self.backbone, num_classes, self.hidden, self.num_layers,
-                             self.dropout, self.norm)
+                             self.dropout, self.norm, self.precision)
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self) | {"clients_per_domain": dict(self.clients_per_domain)}

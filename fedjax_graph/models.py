@@ -70,6 +70,8 @@ BACKBONES = {
     "sfpd": Backbone(True, True, "graph", eval_labels=True),
 }
 NORMS = ("batch", "none")
+PRECISIONS = ("f32", "bf16")
+"""Matmul input precisions of the dense layers (``GraphLinear``); parameters are always f32."""
 BATCH_NORM_EPS = 1e-5
 
 
@@ -128,22 +130,51 @@ def effective_rate(rate: float) -> float:
   return round(rate * 2**bits) / 2**bits
 
 
+def dense(h: Array, kernel: Array, precision: str = "f32") -> Array:
+  """``h @ kernel`` f32[..., N, H'] for h f32[..., N, H] and kernel f32[H, H'].
+
+  ``precision="bf16"`` casts both inputs to bfloat16 and accumulates in f32
+  (``preferred_element_type``), the mixed precision of accelerators' matrix
+  units (Micikevicius et al., "Mixed Precision Training", ICLR 2018,
+  https://arxiv.org/abs/1710.03740, Sec. 3: low-precision products,
+  f32 master weights and accumulation). The gradients of ``h`` and the
+  kernel are f32 arrays holding bfloat16-rounded values (the cast's
+  transpose), as with flax's ``nn.Dense(dtype=jnp.bfloat16)``; the f32
+  parameters take them. ``"f32"`` is the plain product.
+
+  Raises:
+    ValueError: for a precision not in ``PRECISIONS``.
+  """
+  if precision == "f32":
+    return h @ kernel
+  if precision == "bf16":
+    return jnp.matmul(h.astype(jnp.bfloat16), kernel.astype(jnp.bfloat16),
+                      preferred_element_type=jnp.float32)
+  raise ValueError(f"Unsupported precision: {precision!r}; choose one of {list(PRECISIONS)}")
+
+
 class GraphLinear(nn.Module):
-  """``propagate(h @ W) + b`` (or ``h @ W + b`` without a graph)."""
+  """``propagate(h @ W) + b`` (or ``h @ W + b`` without a graph).
+
+  ``precision``: of the product ``h @ W`` (``dense``); propagation, bias and
+  parameters stay f32.
+  """
   features: int
+  precision: str = "f32"
 
   @nn.compact
   def __call__(self, h: Array, graph: Optional[Graph]) -> Array:
     kernel = self.param("kernel", nn.initializers.xavier_uniform(), (h.shape[-1], self.features))
     bias = self.param("bias", nn.initializers.zeros_init(), (self.features,))
+    matmul = lambda a: dense(a, kernel, self.precision)
     if graph is None:
-      return h @ kernel + bias
+      return matmul(h) + bias
     # Propagation is linear, A(hW) = (Ah)W: propagate the narrower side. When h
     # is the input features shared by a vmapped batch of models, Ah is then
     # computed once for the whole batch.
     if h.shape[-1] <= self.features:
-      return propagate(h, graph) @ kernel + bias
-    return propagate(h @ kernel, graph) + bias
+      return matmul(propagate(h, graph)) + bias
+    return propagate(matmul(h), graph) + bias
 
 
 class NodeClassifier(nn.Module):
@@ -158,6 +189,8 @@ class NodeClassifier(nn.Module):
     propagate_train: propagate after each linear layer in training.
     propagate_eval: propagate after each linear layer at inference.
     norm: ``batch`` (batch norm after each hidden layer) or ``none``.
+    precision: ``f32`` or ``bf16``, the dense layers' matmul inputs
+      (``dense``); parameters, batch norm and propagation stay f32.
   """
   num_classes: int
   hidden: int = 128
@@ -166,6 +199,7 @@ class NodeClassifier(nn.Module):
   propagate_train: bool = False
   propagate_eval: bool = True
   norm: str = "batch"
+  precision: str = "f32"
 
   @nn.compact
   def __call__(self, x: Array, graph: Optional[Graph], train: bool, deterministic: bool = False,
@@ -189,41 +223,49 @@ class NodeClassifier(nn.Module):
     graph = graph if propagates else None
     h = hidden = x
     for i in range(self.num_layers - 1):
-      h = GraphLinear(self.hidden, name=f"layer_{i}")(h, graph)
+      h = GraphLinear(self.hidden, self.precision, name=f"layer_{i}")(h, graph)
       if self.norm == "batch":
         h = batch_norm(h, groups, num_groups)
       h = hidden = nn.relu(h)
       if train and not deterministic and self.dropout > 0:
         keep = dropout_keep_mask(self.make_rng("dropout"), h.shape, self.dropout)
         h = jnp.where(keep, h / (1 - effective_rate(self.dropout)), 0.0)
-    logits = GraphLinear(self.num_classes, name=f"layer_{self.num_layers - 1}")(h, graph)
+    logits = GraphLinear(self.num_classes, self.precision,
+                         name=f"layer_{self.num_layers - 1}")(h, graph)
     return (hidden, logits) if with_hidden else logits
 
 
 def make_model(name: str, num_classes: int, hidden: int = 128, num_layers: int = 3,
-               dropout: float = 0.5, norm: str = "batch") -> NodeClassifier:
+               dropout: float = 0.5, norm: str = "batch",
+               precision: str = "f32") -> NodeClassifier:
   """The backbone called ``name`` (one of ``BACKBONES``) with ``norm`` (one of ``NORMS``).
 
-  ``sfpd`` is an ``sfpd.SFPD`` (same call signature), which has no batch norm.
+  ``sfpd`` is an ``sfpd.SFPD`` (same call signature), which has no batch norm
+  and only f32. ``precision``: one of ``PRECISIONS`` (``NodeClassifier``).
 
   Raises:
-    ValueError: for an unknown name or norm, listing the supported ones, or
-      ``sfpd`` with a norm other than ``none``.
+    ValueError: for an unknown name, norm or precision, listing the supported
+      ones, or ``sfpd`` with a norm other than ``none`` or a precision other
+      than ``f32``.
   """
   if name not in BACKBONES:
     raise ValueError(f"Unsupported model: {name!r}; choose one of {sorted(BACKBONES)}")
   if norm not in NORMS:
     raise ValueError(f"Unsupported norm: {norm!r}; choose one of {list(NORMS)}")
+  if precision not in PRECISIONS:
+    raise ValueError(f"Unsupported precision: {precision!r}; choose one of {list(PRECISIONS)}")
   if name == "sfpd":
     from fedjax_graph import sfpd  # sfpd imports this module
     if norm != "none":
       raise ValueError(f"Unsupported norm for sfpd: {norm!r}; SFPD has none (norm: none)")
+    if precision != "f32":
+      raise ValueError(f"Unsupported precision for sfpd: {precision!r}; SFPD is f32 only")
     return sfpd.SFPD(num_classes=num_classes, hidden=hidden, num_layers=num_layers,
                      dropout=dropout)
   propagate_train, propagate_eval = BACKBONES[name][:2]
   return NodeClassifier(num_classes=num_classes, hidden=hidden, num_layers=num_layers,
                         dropout=dropout, propagate_train=propagate_train,
-                        propagate_eval=propagate_eval, norm=norm)
+                        propagate_eval=propagate_eval, norm=norm, precision=precision)
 
 
 def predict(model: NodeClassifier, params, x: Array, graph: Graph,
