@@ -25,7 +25,7 @@ import pydantic
 import yaml
 
 from data_prep.registry import DATASETS
-from fedjax_graph import models
+from fedjax_graph import graphs, models
 
 
 def _config_dir() -> pathlib.Path:
@@ -121,6 +121,12 @@ class Config:
     participation: share of clients sampled to take part in each round, in
       (0, 1]: max(1, round(participation * C)) clients, seeded per seed and
       round (1: every client, every round).
+    propagation: how a client's training step propagates over its graph,
+      per size bucket (``graphs.operator_kind``): ``auto`` (default: a dense
+      block for small graphs, else a CSR product; the rule and its
+      measurements are in ``graphs``), ``dense``, ``csr`` or ``sparse`` (the
+      padded edge list, gather and segment-sum). All give the same results up
+      to float rounding; only the speed and memory differ.
 
   Raises:
     ValueError: (on construction) one line per bad value, naming the field and
@@ -143,6 +149,7 @@ class Config:
   max_buckets: Integer = 3
   allow_empty_clients: Flag = False
   participation: Number = 1.0
+  propagation: Text = "auto"
 
   def __post_init__(self):
     """Checks every field (see the class docstring); inf and NaN are out of every range."""
@@ -187,6 +194,8 @@ class Config:
     _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
     _check(self.max_buckets >= 1, "max_buckets", self.max_buckets, "an integer >= 1")
     _check(0 < self.participation <= 1, "participation", self.participation, "in (0, 1]")
+    _check(self.propagation in graphs.PROPAGATION, "propagation", self.propagation,
+           f"one of {list(graphs.PROPAGATION)}")
 
   def __hash__(self) -> int:
     # The dataclass hash fails on the clients_per_domain dict; hash its items instead.
