@@ -447,7 +447,7 @@ def test_row_labels_name_fedia_repl_in_both_selections():
 
 
 def _fake_run_cells(config, federation, cells, key, method, hparams, rounds, out_dir, setup,
-                    controls):
+                    controls, record=None, last=None):
   """A RunResult of made-up accuracies for ``cells``: the tables without any training."""
   s, g, t, d = len(federation.seeds), len(cells.cells), rounds, len(federation.domains)
   c = federation.num_clients
