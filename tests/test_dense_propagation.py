@@ -133,7 +133,10 @@ def test_a_bad_propagation_value_errors_and_the_value_is_recorded():
 
 
 def _federation(tiny_wikinet, kind, **overrides):
-  cfg = config.load_preset("wikinet", hidden=8, backbone="gcn", propagation=kind, **overrides)
+  # Small to compile (the compiles are this file's cost).
+  overrides = {"max_buckets": 2, **overrides}
+  cfg = config.load_preset("wikinet", hidden=8, num_layers=2, local_steps=2, backbone="gcn",
+                           propagation=kind, **overrides)
   return cfg, data.build_federation(cfg, tiny_wikinet, seeds=[0, 1])
 
 
@@ -200,7 +203,8 @@ def test_real_wikinet_gcn_rounds_equal_between_csr_and_sparse(raw_dir, prepared_
   graphs_, _ = data.load_dataset("wikinet", raw_dir=raw_dir, cache_dir=prepared_cache)
   results = {}
   for kind in ("csr", "sparse"):
-    cfg = config.load_preset("wikinet", backbone="gcn", hidden=32, propagation=kind)
+    cfg = config.load_preset("wikinet", backbone="gcn", hidden=32, num_layers=2, local_steps=2,
+                             propagation=kind)
     federation = data.build_federation(cfg, graphs_, seeds=[0])
     assert {graphs.kind_of(s.operator) for s in federation.client_shards} == {kind}
     results[kind] = _run(cfg, federation, rounds=2)[1]
