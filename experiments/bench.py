@@ -3,6 +3,7 @@
   python experiments/bench.py --raw-dir ../shared/datasets/musae --cache-dir /tmp/fjg_cache
   python experiments/bench.py --dataset wikinet --setting default --rounds 2 --skip-loop
   python experiments/bench.py --skip-loop --skip-schedule --scaling --plot scaling.png
+  python experiments/bench.py --backbones gcn,pmlp_gcn --propagations auto,dense,sparse --only-backbones
 
 Times the first ``run_chunk`` call (compile + run) and a second of the same
 shape (run only), then the same rounds with every client, cell and seed in a
@@ -10,7 +11,11 @@ Python loop (same keys, so the final accuracies must agree), and prints the
 speed-up. Then the round time with a share q of clients sampled (only they
 train, ``--compare-participation``) against q = 1, and with evaluation every
 k rounds (``--compare-eval-every``) against every round, each a ratio of
-chunks of ``--schedule-rounds`` rounds. Every number is measured in this run.
+chunks of ``--schedule-rounds`` rounds. With ``--backbones gcn,pmlp_gcn`` it first
+times a round-cell of each backbone with each training propagation of
+``--propagations`` (``Config.propagation``; default auto,sparse) and prints the
+gcn / pmlp_gcn ratio per propagation (``--only-backbones``: nothing else).
+Every number is measured in this run.
 
 Where the time goes (``breakdown``, skipped with ``--skip-breakdown``): one
 round's three parts, local training (every client's steps), aggregation (the
@@ -54,7 +59,7 @@ import numpy as np  # noqa: E402
 
 from fedjax_graph import cells as cells_lib  # noqa: E402
 from fedjax_graph import cli  # noqa: E402
-from fedjax_graph import models  # noqa: E402
+from fedjax_graph import graphs, models  # noqa: E402
 from fedjax_graph.controls import RunControls  # noqa: E402
 from fedjax_graph.data import build_federation, load_dataset  # noqa: E402
 from fedjax_graph.sweep import run_sweep  # noqa: E402
@@ -508,6 +513,51 @@ def plot_scaling(rows: Sequence[ScalingRow], path: pathlib.Path, title: str) -> 
   plt.close(fig)
 
 
+def backbone_ratios(config, domain_graphs, seeds, cells, rounds, backbones, propagations):
+  """Prints seconds per round-cell of each backbone x training propagation and the ratios.
+
+  Each (backbone, ``Config.propagation``) pair is a federation and a program of its own,
+  timed on its second chunk of ``rounds`` rounds (the first compiles). The ratio of each
+  backbone to the last one (e.g. gcn / pmlp_gcn) is taken per propagation, all measured in
+  this run; the final accuracies of one backbone must agree across propagations (they
+  differ only in float rounding). Returns ``{(backbone, propagation): seconds}``.
+  """
+  batch = jax.device_put(cells.batch())
+  runs = len(cells) * len(seeds)
+  times, finals = {}, {}
+  for propagation in propagations:
+    federation = build_federation(dataclasses.replace(config, propagation=propagation),
+                                  domain_graphs, seeds)
+    kinds = [graphs.kind_of(shard.operator) for shard in federation.client_shards]
+    data = sim_data(federation)
+    for backbone in backbones:
+      run_config = dataclasses.replace(config, backbone=backbone, propagation=propagation)
+      sim = make_simulation(run_config, federation)
+      state = sim.init(np.asarray(seeds, np.int32), batch)
+      (state, _), first_s = timed(sim.run_chunk, state, np.int32(0), batch, data,
+                                  num_rounds=rounds)
+      (_, metrics), second_s = timed(sim.run_chunk, state, np.int32(rounds), batch, data,
+                                     num_rounds=rounds)
+      times[backbone, propagation] = second_s / (rounds * runs)
+      finals[backbone, propagation] = np.asarray(metrics.test_acc[..., -1, :])
+      print(f"  {backbone}, propagation {propagation} (buckets: {', '.join(kinds)}): "
+            f"{times[backbone, propagation] * 1e3:.1f} ms per round-cell (compile ~ "
+            f"{first_s - second_s:.1f} s), final AVG test acc "
+            f"{100 * finals[backbone, propagation].mean():.2f}")
+  base = backbones[-1]
+  for propagation in propagations:
+    for backbone in backbones[:-1]:
+      print(f"  {backbone} / {base} round-cell time, propagation {propagation}: "
+            f"{times[backbone, propagation] / times[base, propagation]:.2f}")
+  for backbone in backbones:
+    diffs = [float(np.max(np.abs(finals[backbone, p] - finals[backbone, propagations[0]])))
+             for p in propagations[1:]]
+    if diffs:
+      print(f"  {backbone}: max |final test acc - {propagations[0]}'s| over "
+            f"{list(propagations[1:])}: {max(diffs):.2e}")
+  return times
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -552,6 +602,14 @@ def main(argv=None):
                       help="only time the whole --rho x --beta grid + FedAvg x --seeds for ROUNDS "
                            "rounds through run_sweep (experiments/bench_gpu.sh)")
   parser.add_argument("--devices-point", type=int, default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--backbones", type=lambda text: text.split(","), default=None,
+                      help="compare these backbones' round-cell times, the last the reference, "
+                      "e.g. gcn,pmlp_gcn (default: no comparison)")
+  parser.add_argument("--propagations", type=lambda text: text.split(","), default=["auto", "sparse"],
+                      help="training propagations (Config.propagation) of the backbone "
+                      "comparison (default: auto,sparse)")
+  parser.add_argument("--only-backbones", action="store_true",
+                      help="run only the backbone comparison")
   raw_argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(raw_argv)
   if args.rounds < 1 or args.scaling_rounds < 1 or args.repeats < 1:
@@ -590,6 +648,19 @@ def main(argv=None):
           f"{federation.bucket_train_rows[b]} train rows, {shard.senders.shape[-1]} edge slots")
   print(f"  eval graph: {federation.eval_x.shape[0]} rows; cells G'={G} "
         f"({len(args.rho)} rho x {len(args.beta)} beta + FedAvg); seeds S={S} {args.seeds}")
+
+  if args.backbones:
+    print(f"== backbones {args.backbones} x training propagations {args.propagations} "
+          f"({R} rounds per timed chunk, {G} cells x {S} seed(s))")
+    bad = [b for b in args.backbones if b not in models.BACKBONES] + [
+        p for p in args.propagations if p not in graphs.PROPAGATION]
+    if bad:
+      parser.error(f"unknown backbone(s) or propagation(s) {bad}; backbones: "
+                   f"{sorted(models.BACKBONES)}, propagations: {list(graphs.PROPAGATION)}")
+    backbone_ratios(config, domain_graphs, args.seeds, cells, R, args.backbones,
+                    args.propagations)
+    if args.only_backbones:
+      return
 
   print("== vectorised (vmap over seeds x cells x clients, scan over rounds)")
   sim = make_simulation(config, federation)

@@ -25,7 +25,7 @@ import pydantic
 import yaml
 
 from data_prep.registry import DATASETS
-from fedjax_graph import models
+from fedjax_graph import graphs, models
 
 
 def _config_dir() -> pathlib.Path:
@@ -126,6 +126,12 @@ class Config:
       accumulation (``models.dense``); parameters, propagation, batch norm,
       aggregation and the optimisers stay f32. Meant for accelerators (on a
       CPU it is no faster; README "Speed").
+    propagation: how a client's training step propagates over its graph,
+      per size bucket (``graphs.operator_kind``): ``auto`` (default: a dense
+      block for small graphs, else a CSR product; the rule and its
+      measurements are in ``graphs``), ``dense``, ``csr`` or ``sparse`` (the
+      padded edge list, gather and segment-sum). All give the same results up
+      to float rounding; only the speed and memory differ.
 
   Raises:
     ValueError: (on construction) one line per bad value, naming the field and
@@ -149,6 +155,7 @@ class Config:
   allow_empty_clients: Flag = False
   participation: Number = 1.0
   precision: Text = "f32"
+  propagation: Text = "auto"
 
   def __post_init__(self):
     """Checks every field (see the class docstring); inf and NaN are out of every range."""
@@ -195,6 +202,8 @@ class Config:
     _check(0 < self.participation <= 1, "participation", self.participation, "in (0, 1]")
     _check(self.precision in models.PRECISIONS, "precision", self.precision,
            f"one of {list(models.PRECISIONS)}")
+    _check(self.propagation in graphs.PROPAGATION, "propagation", self.propagation,
+           f"one of {list(graphs.PROPAGATION)}")
 
   def __hash__(self) -> int:
     # The dataclass hash fails on the clients_per_domain dict; hash its items instead.

@@ -37,7 +37,9 @@ class Federation:
     bucket_clients: per bucket, the client indices it holds (static).
     bucket_train_rows: per bucket, the largest training-node count: a model
       that does not propagate while training only needs these first rows.
-    client_shards: per bucket, a ``Shard`` with leaves [S, C_b, ...].
+    client_shards: per bucket, a ``Shard`` with leaves [S, C_b, ...], with
+      its training propagation ``operator`` of ``graphs.operator_kind``
+      (``config.propagation`` and the bucket's shapes).
     eval_x: f32[N, F] features of the union of the full domain graphs.
     eval_y: i32[N] labels.
     eval_domain: i32[N] domain of each node, D on padding rows.
@@ -145,11 +147,13 @@ def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np
     n_node = graphs.padding_budget(max(len(first[k].nodes) for k in bucket), pad_multiple)
     n_edge = graphs.padding_budget(
         max(clients[k].edge_index.shape[1] for clients in per_seed for k in bucket), pad_multiple)
-    shards.append(graphs.stack([
+    stacked = graphs.stack([
         graphs.stack([_client_shard(clients[k], eval_x, eval_y, eval_domain, len(domains),
                                     n_node, n_edge)
                       for k in bucket])
-        for clients in per_seed]))
+        for clients in per_seed])
+    kind = graphs.operator_kind(config.propagation, n_node, n_edge, len(seeds) * len(bucket))
+    shards.append(graphs.with_operator(stacked, kind))
     train_rows.append(max(first[k].num_train for k in bucket))
   return Federation(domains=domains, num_classes=num_classes, seeds=seeds,
                     client_domain=client_domain.astype(np.int32), train_counts=train_counts,

@@ -326,10 +326,16 @@ def estimate(sim: Simulation, federation: Federation, batch: CellBatch, config,
     clients, nodes, edges = shard.x.shape[1], shard.x.shape[2], shard.senders.shape[2]
     if with_graph or config.norm_rows == "all":
       rows = nodes
+    # The shard's graph part, its training operator included (a dense block
+    # is N^2 floats per client, a CSR form E + N entries: graphs.operator_kind).
     graph = (tree_bytes(one_seed(shard)) // clients - 4 * nodes * features) if with_graph else 0
     gathered += clients * (4 * rows * features + graph)
-    # A propagating backbone also holds each layer's messages, one per edge.
-    per_client = rows * hidden + (edges * hidden if with_graph else 0)
+    # A propagating backbone also holds each layer's messages, one per edge,
+    # unless it propagates with the bucket's operator (a matmul or a CSR product
+    # makes no per-edge copy; SFPD and FGSSL's or FGGP's rebuilt graphs still do).
+    messages = with_graph and (shard.operator is None or config.backbone == "sfpd"
+                               or sim.method.needs_graph)
+    per_client = rows * hidden + (edges * hidden if messages else 0)
     training = max(training, 4 * clients * (rows * features + ACTIVATION_COPIES
                                             * config.num_layers * per_client))
   nodes = federation.eval_x.shape[0]

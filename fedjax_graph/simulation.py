@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_graph import aggregators
+from fedjax_graph import graphs
 from fedjax_graph import methods as methods_lib
 from fedjax_graph import models
 from fedjax_graph import sfpd
@@ -349,7 +350,8 @@ def _pad_shard(shard: Shard, n_node: int, n_edge: int, num_domains: int) -> Shar
 
   New rows are padding as ``graphs.pad_graph`` makes it (zero features and
   GCN weights, label 0, in no split, domain D); new edges join the last row,
-  a padding row, with weight 0. No real row's output changes.
+  a padding row, with weight 0. No real row's output changes. The result has
+  no ``operator`` (``take_slots`` builds the slots' own).
   """
   def grow(leaf, size, value):
     return jnp.pad(leaf, [(0, 0), (0, size - leaf.shape[1])] + [(0, 0)] * (leaf.ndim - 2),
@@ -410,6 +412,11 @@ def take_slots(federation: Federation, shards: tuple[Shard, ...], sampled: Array
       keep = lambda new, old: jnp.where((source == b).reshape((-1,) + (1,) * (new.ndim - 1)),
                                         new, old)
       taken = part if taken is None else jax.tree.map(keep, part, taken)
+    # The slots propagate as the group's bucket does; their operator is built
+    # from the padded edges (the buckets' own are of other shapes).
+    kind = graphs.kind_of(shards[group.bucket].operator)
+    taken = taken._replace(operator=jax.vmap(lambda shard: graphs.make_operator(shard, kind))(
+        taken) if kind != "sparse" else None)
     clients.append(ids)
     train_rows.append(group.train_rows)
     slot_shards.append(taken)

@@ -12,7 +12,7 @@ A padded container always carries the mask that says which rows are real, and
 padding never changes the output of a real row.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 
@@ -41,6 +41,13 @@ class Shard(NamedTuple):
     test: bool[..., N] test nodes.
     node_domain: i32[..., N] domain index of each node; D on padding rows, so a
       ``segment_sum`` with ``num_segments=D`` drops them.
+    operator: None, or the same graph's matrix D^-1/2 (A+I) D^-1/2 in the form
+      its size bucket propagates with in training (``graphs.operator_kind``):
+      a ``graphs.DenseAdjacency`` (f32[..., N, N]) or a ``graphs.CSRGraph``
+      (leaves [..., E + N] and [..., N + 1]). ``graphs.propagate`` uses it in
+      place of the edge list, so code that changes the edges or their
+      weights (``shard._replace(edge_weight=...)``) must drop it
+      (``operator=None``) or rebuild it (``graphs.make_operator``).
   """
   x: Array
   y: Array
@@ -52,3 +59,4 @@ class Shard(NamedTuple):
   val: Array
   test: Array
   node_domain: Array
+  operator: Optional[PyTree] = None

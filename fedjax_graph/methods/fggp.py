@@ -144,7 +144,10 @@ def pair_graph(shard, pairs: Candidates, weight: Array, real: Array):
   return shard._replace(senders=jnp.concatenate([pairs.u, pairs.v]),
                         receivers=jnp.concatenate([pairs.v, pairs.u]),
                         edge_weight=jnp.concatenate([edge, edge]),
-                        self_weight=jnp.where(real, 1.0 / degree, 0.0))
+                        self_weight=jnp.where(real, 1.0 / degree, 0.0),
+                        # Propagated over its edges: the weights are learned (their
+                        # gradient flows through the gather, not a fixed operator).
+                        operator=None)
 
 
 def _uniform_by_id(key: Array, ids: Array) -> Array:

@@ -101,7 +101,9 @@ def drop_edges(graph: Shard, keep: Array) -> Shard:
   inv_sqrt = jax.lax.rsqrt(degree)
   edge_weight = jnp.where(kept, inv_sqrt[graph.senders] * inv_sqrt[graph.receivers], 0.0)
   self_weight = jnp.where(graph.self_weight > 0, 1.0 / degree, 0.0)
-  return graph._replace(edge_weight=edge_weight, self_weight=self_weight)
+  # No operator: the kept edges need not be symmetric (one mask entry per
+  # directed edge), which the CSR operator's gradient assumes.
+  return graph._replace(edge_weight=edge_weight, self_weight=self_weight, operator=None)
 
 
 def augment(key: Array, x: Array, graph: Shard, rates: ViewRates,
