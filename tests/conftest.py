@@ -87,8 +87,9 @@ def prepared_cache(tmp_path_factory) -> pathlib.Path:
 def _drop_compiled_programs():
   """Frees each test module's compiled programs once it is done.
 
-  The suite runs in one process; without this, every module's XLA executables
-  stay cached to the end (CI once crashed compiling late in the suite).
+  A process (or xdist worker) runs many modules; without this, every module's
+  XLA executables stay cached to its end (CI once crashed compiling late in a
+  single-process run of the suite).
   """
   yield
   from fedjax_graph import devices, simulation
