@@ -743,35 +743,39 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
       test = test._replace(argmax_acc=scores(test_mask, argmax).acc)
     return test, scores(val_mask).acc
 
+  def participants(sample_key, shards, t):
+    # The round's sampled clients in their fixed slots (only called when slotted).
+    sampled = sample_clients(sample_key, t, num_clients, config.participation)
+    return take_slots(federation, shards, sampled, count)
+
+  def round_metrics(trained, scores, evaluate_now):
+    # With a schedule this is a real branch (the round index is the same for every run of the
+    # batch and the callers are not under a vmap): a round left out computes no evaluation.
+    test, val_acc = (scores() if evaluate_now is None else jax.lax.cond(
+        evaluate_now, scores, lambda: not_evaluated(jax.eval_shape(scores))))
+    loss, weights, coverage, nonfinite, diags = trained
+    return RoundMetrics(test.acc, val_acc, test.bacc, test.f1, loss, weights, coverage,
+                        nonfinite, test.classes, diags, test.argmax_acc)
+
   def run_group(state, group, hparams, t, data, evaluate_now=None):
     if not slotted:
       per_cell = jax.vmap(lambda s, h, shards: train_and_aggregate(
           s, group.aggregator, h, shards, data.train_counts, t), in_axes=(0, 0, None))
-      state, (loss, weights, coverage, nonfinite, diags) = jax.vmap(
-          per_cell, in_axes=(0, None, 0))(state, hparams, data.client_shards)
+      state, trained = jax.vmap(per_cell, in_axes=(0, None, 0))(state, hparams,
+                                                                 data.client_shards)
     else:
       def per_seed(cells_state, shards):
         # The sample key is the seed's, the same in every cell: gather the slots once per seed,
         # outside the vmap over cells, so the cells share them as they share the shards.
-        sampled = sample_clients(cells_state.sample_key[0], t, num_clients, config.participation)
-        slots = take_slots(federation, shards, sampled, count)
+        slots = participants(cells_state.sample_key[0], shards, t)
         return jax.vmap(lambda s, h: train_and_aggregate(
             s, group.aggregator, h, slots, data.train_counts, t))(cells_state, hparams)
-      state, (loss, weights, coverage, nonfinite, diags) = jax.vmap(per_seed)(
-          state, data.client_shards)
+      state, trained = jax.vmap(per_seed)(state, data.client_shards)
     per_cell_eval = jax.vmap(evaluate, in_axes=(0, None, None, None, None, 0))
     evaluated = state.method.clients if method.personal else state.params
     scores = lambda: jax.vmap(per_cell_eval, in_axes=(0, 0, 0, 0, None, 0))(
         evaluated, data.eval_val, data.eval_test, data.eval_owner, data, state.method.server)
-    if evaluate_now is None:
-      test, val_acc = scores()
-    else:
-      # The round index is the same for every run of the batch and run_group is not under a
-      # vmap, so this is a real branch: a round left out computes no evaluation.
-      test, val_acc = jax.lax.cond(evaluate_now, scores,
-                                   lambda: not_evaluated(jax.eval_shape(scores)))
-    return state, RoundMetrics(test.acc, val_acc, test.bacc, test.f1, loss, weights, coverage,
-                               nonfinite, test.classes, diags, test.argmax_acc)
+    return state, round_metrics(trained, scores, evaluate_now)
 
   def run_round(states, t, batch: CellBatch, data, schedule=EvalSchedule()):
     evaluate_now = None if schedule.every == 1 else schedule.evaluated(t)
@@ -793,28 +797,18 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
   def run_runs_group(state, group, hparams, seed_index, t, data, evaluate_now=None):
     # One vmap over the runs (leaves [R, ...]); each run gathers its seed's rows
     # of the per-seed data, the shared data (evaluation graph) stay shared.
-    of_seed = lambda tree, s: jax.tree.map(lambda leaf: leaf[s], tree)
-
     def per_run(run_state, h, s):
-      shards = of_seed(data.client_shards, s)
+      shards = jax.tree.map(lambda leaf: leaf[s], data.client_shards)
       if slotted:
-        sampled = sample_clients(run_state.sample_key, t, num_clients, config.participation)
-        shards = take_slots(federation, shards, sampled, count)
+        shards = participants(run_state.sample_key, shards, t)
       return train_and_aggregate(run_state, group.aggregator, h, shards, data.train_counts, t)
 
-    state, (loss, weights, coverage, nonfinite, diags) = jax.vmap(per_run)(
-        state, hparams, seed_index)
+    state, trained = jax.vmap(per_run)(state, hparams, seed_index)
     evaluated = state.method.clients if method.personal else state.params
     scores = lambda: jax.vmap(evaluate, in_axes=(0, 0, 0, 0, None, 0))(
         evaluated, data.eval_val[seed_index], data.eval_test[seed_index],
         data.eval_owner[seed_index], data, state.method.server)
-    if evaluate_now is None:
-      test, val_acc = scores()
-    else:  # a real branch, as in run_group
-      test, val_acc = jax.lax.cond(evaluate_now, scores,
-                                   lambda: not_evaluated(jax.eval_shape(scores)))
-    return state, RoundMetrics(test.acc, val_acc, test.bacc, test.f1, loss, weights, coverage,
-                               nonfinite, test.classes, diags, test.argmax_acc)
+    return state, round_metrics(trained, scores, evaluate_now)
 
   def run_runs(states, first_round, batch, seed_index, data, num_rounds,
                schedule=EvalSchedule()):

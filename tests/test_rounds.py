@@ -35,17 +35,15 @@ def _quick(sim: simulation.Simulation) -> simulation.Simulation:
   """
   compiled = {}
 
-  def aot(name, fn, *args, **static):
-    key = (name, *static.items())
+  def run_chunk(state, first, batch, data, num_rounds, schedule=EvalSchedule()):
+    key = (num_rounds, schedule)
     if key not in compiled:
-      compiled[key] = fn.lower(*args, **static).compile(
+      compiled[key] = sim.run_chunk.lower(state, first, batch, data, num_rounds=num_rounds,
+                                          schedule=schedule).compile(
           compiler_options={"xla_backend_optimization_level": 0})
-    return compiled[key](*args)
+    return compiled[key](state, first, batch, data)
 
-  return sim._replace(run_chunk=lambda state, first, batch, data, num_rounds,
-                      schedule=EvalSchedule(): aot("run_chunk", sim.run_chunk, state, first,
-                                                   batch, data, num_rounds=num_rounds,
-                                                   schedule=schedule))
+  return sim._replace(run_chunk=run_chunk)
 
 
 def _config(**overrides):
