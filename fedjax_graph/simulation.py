@@ -605,13 +605,19 @@ def make_simulation(config: Config, federation: Federation,
 
 def _make_simulation(config, federation, diagnostics, method_name, method_hparams,
                      every_client_trains):
-  model = config.model(federation.num_classes)
+  def backbone(config, options):
+    model = config.model(federation.num_classes).clone(**options)
+    if isinstance(model, models.NodeClassifier) and not federation.pooled:
+      model = model.clone(one_domain_train=True)  # each client holds one domain
+    return model
+
+  model = backbone(config, {})
   method = methods_lib.make_method(method_name, model, config, method_hparams)
   if method.recipe or method.model_options:
     # The method brings its own backbone (FedSPA's SFPD) or sets attributes of
     # it; it is built again so that its own forward passes use that model.
     config = dataclasses.replace(config, **(method.recipe or {}))
-    model = config.model(federation.num_classes).clone(**(method.model_options or {}))
+    model = backbone(config, method.model_options or {})
     method = methods_lib.make_method(method_name, model, config, method_hparams)
   eval_labels = models.BACKBONES[config.backbone].eval_labels
   num_clients, num_domains = federation.num_clients, len(federation.domains)

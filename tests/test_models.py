@@ -254,6 +254,59 @@ class TestBatchNorm:
     alone = models.batch_norm(h[:2])
     np.testing.assert_allclose(out[:2], alone, rtol=1e-6)
 
+  @pytest.mark.parametrize("groups, num_groups", [
+      (None, 1), ([0, 0, 0, 0, 1, 1], 1), ([0, 2, 0, 2, 0, 3], 3), ([1, 1, 0, 0, 1, 0], 2)])
+  def test_closed_form_gradient_equals_autodiff(self, groups, num_groups):
+    # The custom VJP against autodiff of the textbook two-pass formula, with
+    # padding rows (id num_groups) and an empty group (1 in the third case).
+    h = jnp.asarray(np.random.default_rng(3).standard_normal((6, 4)) * 5 + 2, jnp.float32)
+    g = jnp.asarray(np.random.default_rng(4).standard_normal((6, 4)), jnp.float32)
+    groups = None if groups is None else jnp.asarray(groups)
+
+    def reference(h):
+      ids = jnp.zeros(6, jnp.int32) if groups is None else groups
+      out = jnp.zeros_like(h)
+      for k in range(num_groups):
+        rows = (ids == k)[:, None]
+        n = jnp.maximum(jnp.sum(rows), 1)
+        mean = jnp.sum(jnp.where(rows, h, 0), 0) / n
+        var = jnp.sum(jnp.where(rows, (h - mean) ** 2, 0), 0) / n
+        out = jnp.where(rows, (h - mean) / jnp.sqrt(var + models.BATCH_NORM_EPS), out)
+      return out
+
+    ours = lambda h: models.batch_norm(h, groups, num_groups)
+    np.testing.assert_allclose(ours(h), reference(h), rtol=1e-5, atol=1e-5)
+    grad = lambda f: jax.grad(lambda h: jnp.sum(jnp.sin(f(h)) * g))(h)
+    np.testing.assert_allclose(grad(ours), grad(reference), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(lambda: grad(ours))(), grad(reference), rtol=1e-4,
+                               atol=1e-5)
+    if groups is not None:  # padding rows get no gradient
+      assert np.all(np.asarray(grad(ours))[np.asarray(groups) == num_groups] == 0)
+
+  def test_one_domain_train_equals_domain_groups(self):
+    # A client's training rows are one domain: one group below D gives the same
+    # logits and gradients as that domain's id among D groups; two domains
+    # would not (the flag is only for federations without a pooled client).
+    model = models.make_model("mlp", num_classes=K, hidden=HIDDEN, num_layers=3)
+    fast = model.clone(one_domain_train=True)
+    x = _padded_x(_features(seed=5), 12)
+    params = _init(model, x, None)
+    one = jnp.where(jnp.arange(12) < N, 2, 4)  # domain 2 of D = 4, then padding
+    loss = lambda m, groups: jax.grad(lambda p: jnp.sum(jnp.sin(m.apply(
+        p, x, None, train=True, groups=groups, num_groups=4, rngs={"dropout": jax.random.key(7)}
+    )[:N])))(params)
+    np.testing.assert_allclose(_apply(fast, params, x, None, True, one, 4)[:N],
+                               _apply(model, params, x, None, True, one, 4)[:N], rtol=1e-5,
+                               atol=1e-5)
+    for a, b in zip(jax.tree.leaves(loss(fast, one)), jax.tree.leaves(loss(model, one))):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    two = jnp.where(jnp.arange(12) < 4, 0, one)
+    assert not np.allclose(_apply(fast, params, x, None, True, two, 4)[:N],
+                           _apply(model, params, x, None, True, two, 4)[:N], atol=1e-3)
+    # At evaluation the flag changes nothing: domains keep their own statistics.
+    np.testing.assert_array_equal(_apply(fast, params, x, None, False, two, 4),
+                                  _apply(model, params, x, None, False, two, 4))
+
   def test_unknown_norm_raises(self):
     with pytest.raises(ValueError, match="Unsupported norm: 'layer'"):
       models.make_model("gcn", num_classes=K, norm="layer")
