@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from fedjax_graph import graphs, partition
+from fedjax_graph import graphs, models, partition
 from fedjax_graph.config import Config
 from fedjax_graph.graphs import CSRGraph
 from fedjax_graph.types import Shard
@@ -39,7 +39,8 @@ class Federation:
       that does not propagate while training only needs these first rows.
     client_shards: per bucket, a ``Shard`` with leaves [S, C_b, ...], with
       its training propagation ``operator`` of ``graphs.operator_kind``
-      (``config.propagation`` and the bucket's shapes).
+      (``config.propagation`` and the bucket's shapes); None where the
+      backbone propagates without one (``models.Backbone.operator``).
     eval_x: f32[N, F] features of the union of the full domain graphs.
     eval_y: i32[N] labels.
     eval_domain: i32[N] domain of each node, D on padding rows.
@@ -152,7 +153,8 @@ def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np
                                     n_node, n_edge)
                       for k in bucket])
         for clients in per_seed])
-    kind = graphs.operator_kind(config.propagation, n_node, n_edge, len(seeds) * len(bucket))
+    kind = (graphs.operator_kind(config.propagation, n_node, n_edge, len(seeds) * len(bucket))
+            if models.BACKBONES[config.backbone].operator else "sparse")  # sparse: none
     shards.append(graphs.with_operator(stacked, kind))
     train_rows.append(max(first[k].num_train for k in bucket))
   return Federation(domains=domains, num_classes=num_classes, seeds=seeds,

@@ -57,16 +57,21 @@ class Backbone(NamedTuple):
     eval_labels: the forward reads training labels at inference too (SFPD's
       edge types): the evaluation graph is then given as an
       ``sfpd.LabelledGraph`` (the CSR graph with the clients' training labels).
+    operator: propagates in training through the shard's ``operator``
+      (``graphs.propagate``), so ``data.build_federation`` builds one per
+      size bucket; the others would hold it unused (SFPD has its own typed
+      propagation).
   """
   propagate_train: bool
   propagate_eval: bool
   training_input: str
   eval_labels: bool = False
+  operator: bool = False
 
 
 BACKBONES = {
     "mlp": Backbone(False, False, "rows"),
-    "gcn": Backbone(True, True, "graph"),
+    "gcn": Backbone(True, True, "graph", operator=True),
     "pmlp_gcn": Backbone(False, True, "rows"),
     "sfpd": Backbone(True, True, "graph", eval_labels=True),
 }

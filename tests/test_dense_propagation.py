@@ -134,9 +134,9 @@ def test_a_bad_propagation_value_errors_and_the_value_is_recorded():
 
 def _federation(tiny_wikinet, kind, **overrides):
   # Small to compile (the compiles are this file's cost).
-  overrides = {"max_buckets": 2, **overrides}
-  cfg = config.load_preset("wikinet", hidden=8, num_layers=2, local_steps=2, backbone="gcn",
-                           propagation=kind, **overrides)
+  overrides = {"max_buckets": 2, "backbone": "gcn", **overrides}
+  cfg = config.load_preset("wikinet", hidden=8, num_layers=2, local_steps=2, propagation=kind,
+                           **overrides)
   return cfg, data.build_federation(cfg, tiny_wikinet, seeds=[0, 1])
 
 
@@ -161,6 +161,11 @@ def test_federation_buckets_carry_the_operator_and_the_estimate_counts_it(tiny_w
   assert sizes["csr"].data > sizes["sparse"].data
   # No per-edge messages with an operator: less activation memory than the edge list.
   assert sizes["csr"].per_run[0] < sizes["sparse"].per_run[0]
+  # Backbones that train without the operator do not carry one (any propagation setting).
+  for backbone in ("pmlp_gcn", "mlp", "sfpd"):
+    norm = {"norm": "none"} if backbone == "sfpd" else {}
+    _, federation = _federation(tiny_wikinet, "dense", backbone=backbone, **norm)
+    assert all(shard.operator is None for shard in federation.client_shards), backbone
 
 
 def _run(cfg, federation, rounds=2, cells=None):
