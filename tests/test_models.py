@@ -75,10 +75,10 @@ class TestMakeModel:
                                                                                   0.1)
 
   def test_backbones_table(self):
-    assert models.BACKBONES == {"mlp": (False, False, "rows", False),
-                                "gcn": (True, True, "graph", False),
-                                "pmlp_gcn": (False, True, "rows", False),
-                                "sfpd": (True, True, "graph", True)}
+    assert models.BACKBONES == {"mlp": (False, False, "rows", False, False),
+                                "gcn": (True, True, "graph", False, True),
+                                "pmlp_gcn": (False, True, "rows", False, False),
+                                "sfpd": (True, True, "graph", True, False)}
     assert [name for name, b in models.BACKBONES.items() if b.eval_labels] == ["sfpd"]
 
   def test_unknown_name_raises(self):
