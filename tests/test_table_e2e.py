@@ -17,6 +17,8 @@ def test_table_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, cap
   out = tmp_path / "table"
   script_main("table")(["--dataset", "wikinet", "--methods",
                         "fedavg,feddyn,majority,local,centralized", "--rounds", "2",
+                        # A small recipe: five programs compile; the table, not learning, is tested.
+                        "--set", "hidden=16", "--set", "num_layers=2", "--set", "local_steps=2",
                         "--seeds", "0,1", "--raw-dir", str(raw_dir), "--cache-dir",
                         str(prepared_cache), "--out", str(out), "--no-progress"])
   printed = capsys.readouterr().out
