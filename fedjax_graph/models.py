@@ -199,7 +199,6 @@ class GraphLinear(nn.Module):
   """
   features: int
   precision: str = "f32"
-  one_domain_train: bool = False
 
   @nn.compact
   def __call__(self, h: Array, graph: Optional[Graph]) -> Array:
