@@ -72,6 +72,24 @@ class Federation:
   def num_clients(self) -> int:
     return len(self.client_domain)
 
+  @property
+  def one_domain_clients(self) -> bool:
+    """True when every client's real rows (``node_domain < D``) lie in one domain.
+
+    Every client of a partition qualifies; the pooled client of several domains
+    does not. The batch norm then takes a client's training rows as one group
+    (``models.NodeClassifier.one_domain_train``).
+    """
+    num_domains = len(self.domains)
+    for shard in self.client_shards:
+      node_domain = np.asarray(shard.node_domain)
+      real = node_domain < num_domains
+      lowest = np.where(real, node_domain, num_domains).min(-1)
+      highest = np.where(real, node_domain, -1).max(-1)
+      if np.any(real.any(-1) & (lowest != highest)):
+        return False
+    return True
+
 
 def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np.ndarray]],
                      seeds: Sequence[int], pad_multiple: int = 8,

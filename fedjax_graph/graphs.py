@@ -259,6 +259,37 @@ def with_operator(shard: Shard, kind: str) -> Shard:
   return shard._replace(operator=stacked)
 
 
+def pad_operator(operator: Optional[Operator], n_node: int, n_edge: int
+                 ) -> Optional[Operator]:
+  """Stacked operators (leading axis k) of graphs padded to ``n_node`` rows and ``n_edge`` edges.
+
+  The matrix of the graph padded as ``simulation._pad_shard`` pads it (new
+  rows empty): a dense block grows by zero rows and columns; a CSR form gets
+  ``(n_edge + n_node) - nnz`` zero entries, all in the last (padding) row,
+  as ``make_operator`` places the padding edges. Same product on every row as
+  ``make_operator`` of the padded shard, without rebuilding it.
+
+  Args:
+    operator: None, a ``DenseAdjacency`` with matrix f32[k, N, N] or a
+      ``CSRGraph`` with leaves [k, E + N] and [k, N + 1].
+    n_node, n_edge: the padded sizes, >= the graphs' N and E.
+  """
+  if operator is None:
+    return None
+  if isinstance(operator, DenseAdjacency):
+    grow = n_node - operator.matrix.shape[-1]
+    return DenseAdjacency(jnp.pad(operator.matrix, [(0, 0), (0, grow), (0, grow)]))
+  extra = n_edge + n_node - operator.data.shape[-1]
+  nnz = operator.indptr[:, -1:]  # the graph's entries, its padding edges included
+  new_rows = n_node + 1 - operator.indptr.shape[-1]
+  indptr = jnp.concatenate([operator.indptr[:, :-1],
+                            jnp.broadcast_to(nnz, (nnz.shape[0], new_rows)), nnz + extra], axis=-1)
+  return CSRGraph(data=jnp.pad(operator.data, [(0, 0), (0, extra)]),
+                  indices=jnp.pad(operator.indices, [(0, 0), (0, extra)],
+                                  constant_values=n_node - 1),
+                  indptr=indptr)
+
+
 def propagate(h: Array, graph: Graph) -> Array:
   """One GCN propagation D^-1/2 (A+I) D^-1/2 h on a padded graph.
 

@@ -230,7 +230,8 @@ class NodeClassifier(nn.Module):
     precision: ``f32`` or ``bf16``, the dense layers' matmul inputs
       (``dense``); parameters, batch norm and propagation stay f32.
     one_domain_train: in training, the rows given belong to one domain (or
-      are left out), as every client's of a federation but the pooled one:
+      are left out), as every client's of a partition
+      (``data.Federation.one_domain_clients``):
       the batch norm takes all rows of a group below ``num_groups`` as one
       group, the same statistics at a fraction of the cost.
   """

@@ -350,8 +350,8 @@ def _pad_shard(shard: Shard, n_node: int, n_edge: int, num_domains: int) -> Shar
 
   New rows are padding as ``graphs.pad_graph`` makes it (zero features and
   GCN weights, label 0, in no split, domain D); new edges join the last row,
-  a padding row, with weight 0. No real row's output changes. The result has
-  no ``operator`` (``take_slots`` builds the slots' own).
+  a padding row, with weight 0. No real row's output changes. An ``operator``
+  is padded alike (``graphs.pad_operator``).
   """
   def grow(leaf, size, value):
     return jnp.pad(leaf, [(0, 0), (0, size - leaf.shape[1])] + [(0, 0)] * (leaf.ndim - 2),
@@ -363,7 +363,8 @@ def _pad_shard(shard: Shard, n_node: int, n_edge: int, num_domains: int) -> Shar
                receivers=edges(shard.receivers, n_node - 1), edge_weight=edges(shard.edge_weight),
                self_weight=rows(shard.self_weight), train=rows(shard.train, False),
                val=rows(shard.val, False), test=rows(shard.test, False),
-               node_domain=rows(shard.node_domain, num_domains))
+               node_domain=rows(shard.node_domain, num_domains),
+               operator=graphs.pad_operator(shard.operator, n_node, n_edge))
 
 
 def take_slots(federation: Federation, shards: tuple[Shard, ...], sampled: Array,
@@ -383,7 +384,9 @@ def take_slots(federation: Federation, shards: tuple[Shard, ...], sampled: Array
   rows, 0.82); only shapes that change per round (recompiles) could cost
   exactly the sample's. Each slot's shard is taken from every bucket its
   client may come from and the right one kept: (b + 1) gathers for a group
-  of bucket b, small beside the local steps.
+  of bucket b, small beside the local steps. A slot's propagation
+  operator is its bucket's, padded (``graphs.pad_operator``); only where
+  a smaller bucket propagates in another form is it built again.
 
   Args:
     federation: the static layout.
@@ -405,18 +408,17 @@ def take_slots(federation: Federation, shards: tuple[Shard, ...], sampled: Array
     ids = order[group.first:group.first + group.size]
     source, row = jnp.asarray(bucket_of)[ids], jnp.asarray(position)[ids]
     taken = None
+    kind = graphs.kind_of(shards[group.bucket].operator)  # the slots propagate as this bucket
     for b in range(group.bucket + 1):  # take from each bucket that may hold them, keep the right
       rows = jnp.minimum(row, len(federation.bucket_clients[b]) - 1)
       part = _pad_shard(jax.tree.map(lambda leaf: leaf[rows], shards[b]), group.n_node,
                         group.n_edge, len(federation.domains))
+      if graphs.kind_of(part.operator) != kind:  # a bucket that propagates in another form
+        part = part._replace(operator=None if kind == "sparse" else jax.vmap(
+            lambda shard: graphs.make_operator(shard, kind))(part._replace(operator=None)))
       keep = lambda new, old: jnp.where((source == b).reshape((-1,) + (1,) * (new.ndim - 1)),
                                         new, old)
       taken = part if taken is None else jax.tree.map(keep, part, taken)
-    # The slots propagate as the group's bucket does; their operator is built
-    # from the padded edges (the buckets' own are of other shapes).
-    kind = graphs.kind_of(shards[group.bucket].operator)
-    taken = taken._replace(operator=jax.vmap(lambda shard: graphs.make_operator(shard, kind))(
-        taken) if kind != "sparse" else None)
     clients.append(ids)
     train_rows.append(group.train_rows)
     slot_shards.append(taken)
@@ -607,8 +609,8 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
                      every_client_trains):
   def backbone(config, options):
     model = config.model(federation.num_classes).clone(**options)
-    if isinstance(model, models.NodeClassifier) and not federation.pooled:
-      model = model.clone(one_domain_train=True)  # each client holds one domain
+    if isinstance(model, models.NodeClassifier) and federation.one_domain_clients:
+      model = model.clone(one_domain_train=True)
     return model
 
   model = backbone(config, {})

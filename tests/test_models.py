@@ -286,19 +286,19 @@ class TestBatchNorm:
   def test_one_domain_train_equals_domain_groups(self):
     # A client's training rows are one domain: one group below D gives the same
     # logits and gradients as that domain's id among D groups; two domains
-    # would not (the flag is only for federations without a pooled client).
+    # would not (the flag is only for federations whose clients hold one domain).
     model = models.make_model("mlp", num_classes=K, hidden=HIDDEN, num_layers=3)
     fast = model.clone(one_domain_train=True)
     x = _padded_x(_features(seed=5), 12)
     params = _init(model, x, None)
     one = jnp.where(jnp.arange(12) < N, 2, 4)  # domain 2 of D = 4, then padding
-    loss = lambda m, groups: jax.grad(lambda p: jnp.sum(jnp.sin(m.apply(
+    grads = lambda m, groups: jax.grad(lambda p: jnp.sum(jnp.sin(m.apply(
         p, x, None, train=True, groups=groups, num_groups=4, rngs={"dropout": jax.random.key(7)}
     )[:N])))(params)
     np.testing.assert_allclose(_apply(fast, params, x, None, True, one, 4)[:N],
                                _apply(model, params, x, None, True, one, 4)[:N], rtol=1e-5,
                                atol=1e-5)
-    for a, b in zip(jax.tree.leaves(loss(fast, one)), jax.tree.leaves(loss(model, one))):
+    for a, b in zip(jax.tree.leaves(grads(fast, one)), jax.tree.leaves(grads(model, one))):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     two = jnp.where(jnp.arange(12) < 4, 0, one)
     assert not np.allclose(_apply(fast, params, x, None, True, two, 4)[:N],

@@ -1,5 +1,6 @@
 """Reference rows: the majority class, local training alone, centralised training."""
 
+import dataclasses
 import types
 
 import jax
@@ -125,6 +126,21 @@ def test_pooled_federation_is_one_client_with_every_clients_nodes_and_edges(cfg,
     senders, receivers = shard.senders[s], shard.receivers[s]
     real = shard.edge_weight[s] > 0
     np.testing.assert_array_equal(domains[senders[real]], domains[receivers[real]])
+
+
+def test_batch_norm_groups_training_rows_by_domain_only_where_a_client_mixes_domains(cfg, skewed):
+  # Every client of a partition holds one domain: its training rows are one batch-norm group.
+  # The pooled client holds three: its rows keep their domains' groups.
+  split = data.build_federation(cfg, skewed, seeds=[0, 1])
+  pooled = data.build_federation(cfg, skewed, seeds=[0, 1], pooled=True)
+  assert split.one_domain_clients and not pooled.one_domain_clients
+  assert simulation.make_simulation(cfg, split).model.one_domain_train
+  assert not simulation.make_simulation(cfg, pooled).model.one_domain_train
+  # A pooled client whose real rows all lie in one domain qualifies again; padding does not count.
+  shard = pooled.client_shards[0]
+  one_domain = np.where(shard.node_domain < 3, 1, 3)
+  relabelled = dataclasses.replace(pooled, client_shards=(shard._replace(node_domain=one_domain),))
+  assert relabelled.one_domain_clients
 
 
 def test_centralized_one_round_is_full_batch_training_on_the_union(cfg, skewed):

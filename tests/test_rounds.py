@@ -8,6 +8,7 @@ are compiled without LLVM's optimisations (``_quick``: a third of the
 compile time, the same program).
 """
 
+import dataclasses
 import functools
 import json
 
@@ -17,8 +18,8 @@ import pytest
 
 from conftest import usage_error
 from fedjax_graph import cells as cells_lib
-from fedjax_graph import (cli, comparison, config, data, experiment, report, rundir, simulation,
-                          sweep, tables)
+from fedjax_graph import (cli, comparison, config, data, experiment, graphs, report, rundir,
+                          simulation, sweep, tables)
 from fedjax_graph.controls import RunControls
 from fedjax_graph.simulation import EvalSchedule, make_simulation
 
@@ -113,6 +114,28 @@ def test_slots_hold_any_sample_each_client_padded_to_its_slot(tiny_wikinet):
         assert not got.x[n:].any() and not got.train[n:].any() and not got.self_weight[n:].any()
         assert (got.node_domain[n:] == num_domains).all()
         assert not got.edge_weight[e:].any() and (got.senders[e:] == group.n_node - 1).all()
+
+
+@pytest.mark.parametrize("kinds", [("dense", "csr"), ("csr", "dense"), ("csr", "csr")])
+def test_slot_operators_are_their_buckets_padded_whatever_form_each_bucket_takes(tiny_wikinet,
+                                                                                  kinds):
+  # A group of slots takes clients from its bucket and every smaller one; each slot's operator
+  # (the bucket's padded, or built again where a smaller bucket's form differs) propagates as the
+  # slot's own padded edge list does.
+  federation = data.build_federation(_config(backbone="gcn"), tiny_wikinet, seeds=[0])
+  federation = dataclasses.replace(federation, client_shards=tuple(
+      graphs.with_operator(shard, kind) for shard, kind in zip(federation.client_shards, kinds)))
+  shards = jax.tree.map(lambda leaf: leaf[0], federation.client_shards)
+  small, large = federation.bucket_clients
+  sampled = np.zeros(federation.num_clients, bool)
+  sampled[[small[0], large[1], small[2]]] = True  # the large group holds a small client
+  slots = simulation.take_slots(federation, shards, sampled, 3)
+  for group, shard in zip(simulation.slot_groups(federation, 3), slots.shards):
+    assert graphs.kind_of(shard.operator) == kinds[group.bucket]
+    h = jax.random.normal(jax.random.key(group.bucket), shard.x.shape[:2] + (5,))
+    np.testing.assert_allclose(jax.vmap(graphs.propagate)(h, shard),
+                               jax.vmap(graphs.propagate)(h, shard._replace(operator=None)),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_only_sampled_clients_train_with_todays_results(sampled):
