@@ -4,12 +4,42 @@ import gc
 import importlib.util
 import os
 import pathlib
+import shutil
+import tempfile
 
 import jax
 import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+_XLA_CACHE = "FEDJAX_GRAPH_TEST_XLA_CACHE"
+
+
+def pytest_configure(config):
+  """One persistent XLA compilation cache per test session.
+
+  Many tests compile the same program (a fixture's simulation in several
+  files, a subprocess that compiles again what its parent ran); the cache
+  compiles each once per session. It is made by the first process (the
+  xdist controller) and reaches the workers and subprocesses through the
+  environment; results do not change (an entry is the same executable).
+  """
+  if _XLA_CACHE not in os.environ:
+    os.environ[_XLA_CACHE] = tempfile.mkdtemp(prefix="fedjax-graph-xla-")
+    config._fedjax_graph_owns_cache = True
+  path = os.environ[_XLA_CACHE]
+  for name, value in (("jax_compilation_cache_dir", path),
+                      ("jax_persistent_cache_min_compile_time_secs", 0),
+                      ("jax_persistent_cache_min_entry_size_bytes", 0)):
+    os.environ[name.upper()] = str(value)  # for subprocesses
+    jax.config.update(name, value)
+
+
+def pytest_unconfigure(config):
+  if getattr(config, "_fedjax_graph_owns_cache", False):
+    shutil.rmtree(os.environ.pop(_XLA_CACHE), ignore_errors=True)
 
 
 def fake_domain(num_nodes: int, num_edges: int, num_classes: int, features: int,

@@ -209,8 +209,8 @@ def test_vmapped_clients_equal_python_loop_with_an_operator(tiny_wikinet):
       jax.random.PRNGKey(0), jnp.zeros((1, 8)), None, train=False)
   shards = jax.tree.map(lambda leaf: leaf[0], simulation.sim_data(federation).client_shards)
   keys = simulation.client_keys(jax.random.PRNGKey(1), 0, federation.num_clients)
-  vmapped = jax.jit(lambda p: simulation.for_each_client(
-      sim.local_update, federation, sim.training_input, p, p, shards, keys))(params)
+  vmapped = jax.jit(lambda p, shards, keys: simulation.for_each_client(  # arguments: not folded
+      sim.local_update, federation, sim.training_input, p, p, shards, keys))(params, shards, keys)
   looped = simulation.for_each_client(jax.jit(sim.local_update), federation, sim.training_input,
                                       params, params, shards, keys, backend="loop")
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),

@@ -9,13 +9,14 @@ from PIL import Image
 
 from conftest import script_main, usage_error
 
-
+# The real graphs with a narrow recipe: the compiles are these tests' cost.
+SMALL = ["--set", "hidden=16", "--set", "num_layers=2", "--set", "local_steps=2"]
 
 
 def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, capsys):
   out = tmp_path / "run"
   script_main("grid")(["--dataset", "wikinet", "--rounds", "3", "--last", "2", "--chunk", "2",
-                "--rho", "0.3,0.7", "--beta", "0.5,0.9", "--raw-dir", str(raw_dir),
+                "--rho", "0.3,0.7", "--beta", "0.5,0.9", *SMALL, "--raw-dir", str(raw_dir),
                 "--cache-dir", str(prepared_cache), "--out", str(out), "--no-progress"])
   printed = capsys.readouterr().out
   assert "best cell on test AVG (optimistic): rho=" in printed
@@ -95,7 +96,7 @@ def test_grid_rejects_bad_flags_before_any_work(flags, message, tmp_path, capsys
 def test_grid_of_another_aggregator_on_real_wikinet(raw_dir, prepared_cache, tmp_path, capsys):
   out = tmp_path / "gma"
   script_main("grid")(["--dataset", "wikinet", "--aggregator", "gma", "--tau", "0.1,0.5,0.9",
-                       "--rounds", "2", "--raw-dir", str(raw_dir), "--cache-dir",
+                       "--rounds", "2", *SMALL, "--raw-dir", str(raw_dir), "--cache-dir",
                        str(prepared_cache), "--out", str(out), "--no-progress"])
   assert "best cell on test AVG (optimistic): tau=" in capsys.readouterr().out
   with open(out / "summary.csv") as f:
