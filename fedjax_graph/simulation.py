@@ -597,7 +597,7 @@ def make_simulation(config: Config, federation: Federation,
   hparams = dict(method_hparams or {})
   layout = (json.dumps(config.to_dict(), sort_keys=True), federation.domains,
             federation.num_classes, federation.bucket_clients, federation.bucket_train_rows,
-            federation.eval_x.shape[-1], diagnostics, method,
+            federation.eval_x.shape[-1], federation.one_domain_clients, diagnostics, method,
             json.dumps(hparams, sort_keys=True), _every_client_trains)
   if layout not in _SIMULATIONS:
     _SIMULATIONS[layout] = _make_simulation(config, federation, diagnostics, method, hparams,
