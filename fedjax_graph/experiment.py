@@ -124,7 +124,6 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
   rows = report.summarize(base_runs, grid_runs, hparams, domains, last,
                           skipped=np.concatenate([skipped[[base]], skipped[grid_cells]]),
                           cell_method=method)
-  report.write_summary_csv(rows, out_dir / "summary.csv")
   title = f"{config.dataset} {config.setting}, {config.backbone}, {rounds} rounds, seeds {list(seeds)}"
   report.plot_heatmap(rows, out_dir / "heatmap.png", title=title)
   evaluated = EvalSchedule(controls.eval_every, rounds - last).evaluated(np.arange(rounds))
@@ -133,6 +132,9 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
   report.write_json(out_dir / "config.json", {**record, "status": "finished",
                                               "wall_seconds_this_call": wall,
                                               "chunk_seconds_this_call": history.seconds})
+  # summary.csv marks the run finished (rundir.prepare_out_dir): written last, so a run
+  # stopped before it can still be resumed from its checkpoint.
+  report.write_summary_csv(rows, out_dir / "summary.csv")
   remove_file(out_dir / CHECKPOINT)
 
   for warning in report.constant_warnings(base_runs, grid_runs, labels, domains, last, seeds):

@@ -90,6 +90,19 @@ def test_grid_resume_overwrite_and_refusals(setup, tiny_wikinet, tmp_path, monke
   run(whole, overwrite=True)
   np.testing.assert_array_equal(np.load(whole / "history.npz")["fedia_test"], a["fedia_test"])
 
+  # Stopped while writing its outputs, after the last round: not finished, resumable.
+  def stop(*args, **kwargs):
+    raise Interrupt
+  monkeypatch.setattr(experiment.report, "plot_curves", stop)
+  with pytest.raises(Interrupt):
+    run(tmp_path / "late")
+  monkeypatch.undo()
+  assert not (tmp_path / "late" / "summary.csv").exists()
+  experiment.resume_grid(tmp_path / "late", QUIET, domain_graphs=tiny_wikinet)
+  assert (whole / "summary.csv").read_text() == (tmp_path / "late" / "summary.csv").read_text()
+  assert (tmp_path / "late" / "curves.png").exists()
+  assert not (tmp_path / "late" / "checkpoint.msgpack").exists()
+
 
 @pytest.fixture(scope="module")
 def poisoned(tiny_wikinet):
