@@ -204,6 +204,7 @@ class Config:
            f"one of {list(models.PRECISIONS)}")
     _check(self.propagation in graphs.PROPAGATION, "propagation", self.propagation,
            f"one of {list(graphs.PROPAGATION)}")
+    self.model(2)  # combinations a backbone refuses (sfpd's norm and precision), before any file
 
   def __hash__(self) -> int:
     # The dataclass hash fails on the clients_per_domain dict; hash its items instead.

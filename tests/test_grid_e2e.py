@@ -86,6 +86,9 @@ def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, caps
     (["--seeds", "0,0"], "seeds = [0, 0]"),
     (["--setting", "s9"], "unknown wikinet setting 's9'"),
     (["--rho", "abc"], "comma list of numbers"),
+    (["--backbone", "sfpd", "--norm", "none", "--set", "precision=bf16"],
+     "Unsupported precision for sfpd: 'bf16'"),
+    (["--backbone", "sfpd"], "Unsupported norm for sfpd: 'batch'"),
 ])
 def test_grid_rejects_bad_flags_before_any_work(flags, message, tmp_path, capsys):
   argv = ["--dataset", "wikinet", "--out", str(tmp_path / "x"), *flags]
