@@ -467,7 +467,8 @@ def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, config
   XLA reports its buffers, the estimate is rescaled to XLA's figure; if that
   predicts another split (finer, for a program over the budget; coarser, for
   an estimate that was too high), that one compiles too, at most ``attempts``
-  programs in all. The fewest sub-batches that XLA found to fit win.
+  programs in all (and, when none fits, the unsplit one, so that the error
+  names the least need found). The fewest sub-batches that XLA found to fit win.
 
   Args:
     sim, federation, batch, config: the sweep's.
@@ -493,7 +494,9 @@ def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, config
   fewest = lambda bytes_of: next((k for k in range(1, finest + 1) if bytes_of(lay(k)) <= budget),
                                  None)
   splits, need, best = fewest(est.total) or finest, {}, None
-  for _ in range(attempts):
+
+  def attempt(splits):
+    nonlocal best
     runner = (SingleRunner(sim, state, batch, jax.device_put(host_data(federation)), schedule)
               if lay(splits).trivial else
               ShardedRunner(sim, mesh, lay(splits), state, batch, federation, schedule))
@@ -501,6 +504,10 @@ def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, config
     need[splits] = est.total(lay(splits)) if measured is None else measured
     if need[splits] <= budget and (best is None or splits < best[1].layout.splits):
       best = (runner, Plan(lay(splits), budget, source, est.total(lay(splits)), measured))
+    return measured
+
+  for _ in range(attempts):
+    measured = attempt(splits)
     if measured is None:
       break
     # The estimate's run-dependent part, rescaled to XLA's figure.
@@ -513,11 +520,18 @@ def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, config
     if rescaled is None or rescaled in need:
       break
     splits = rescaled
+  if best is None and 1 not in need and size > 0:
+    # The estimate may overstate what one batch needs (sub-batches hold the waiting states
+    # too): measure it before saying what to raise the budget to.
+    attempt(1)
   if best is None:
-    worst = max(need)
+    least = min(need, key=need.get)
+    runs = sum(lay(least).per_batch)
+    advice = ("raise --max-memory" + (", use more --devices" if n < len(jax.devices()) else "")
+              + (", or run fewer seeds or cells at once" if num_seeds * sum(sizes) > 1 else ""))
     raise ValueError(
-        f"the batch needs {format_size(need[worst])} per device in {worst} sub-batch(es) of "
-        f"{sum(lay(worst).per_batch)} runs, over the budget of {format_size(budget)} "
-        f"({source}); raise --max-memory, use more --devices, or run fewer seeds or cells at once")
+        f"the batch needs at least {format_size(need[least])} per device (the least of the "
+        f"layouts tried: {least} sub-batch(es) of {runs} runs), over the budget of "
+        f"{format_size(budget)} ({source}); {advice}")
   runner, plan = best
   return runner, plan._replace(seconds=time.perf_counter() - begin)

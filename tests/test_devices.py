@@ -260,3 +260,18 @@ def test_collectives_are_found_by_name():
           "%cp = f32[2] collective-permute(%y), source_target_pairs={{0,1}}")
   assert devices.collectives(text) == ["all-gather", "collective-permute"]
   assert devices.collectives("%r = f32[2] reduce(%a, %b), to_apply=%sum") == []
+
+
+def test_a_budget_nothing_fits_names_the_least_need_measured(tiny_wikinet, tmp_path):
+  from fedjax_graph import config, experiment
+  cfg = config.load_preset("wikinet", hidden=8, max_buckets=1, num_layers=2, local_steps=2)
+  controls = RunControls(out_dir=tmp_path / "run", progress=False, chunk=2, max_memory=1024)
+  with pytest.raises(ValueError) as err:
+    experiment.run_grid(cfg, "fedia", {"rho": [0.5], "beta": [0.5]}, [0, 1], 2, 2, controls,
+                        domain_graphs=tiny_wikinet)
+  message = str(err.value)
+  assert re.search(r"the batch needs at least \S+ \S+ per device \(the least of the layouts "
+                   r"tried: \d+ sub-batch\(es\) of \d+ runs\), over the budget of 1.00 KiB "
+                   r"\(--max-memory\); raise --max-memory, or run fewer seeds or cells at once$",
+                   message), message
+  assert "--devices" not in message  # one device is all there is
