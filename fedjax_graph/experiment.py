@@ -14,7 +14,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from fedjax_graph import cells as cells_lib
-from fedjax_graph import report
+from fedjax_graph import graphs, models, report
 from fedjax_graph.checkpoint import fingerprint
 from fedjax_graph.io import remove_file
 from fedjax_graph.config import Config
@@ -77,6 +77,10 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
             "cache_dir": controls.cache_dir and str(controls.cache_dir),
             "num_clients": federation.num_clients,
             "buckets": [len(b) for b in federation.bucket_clients],
+            # How each bucket propagates in training (graphs.operator_kind), as chosen.
+            "bucket_propagation": [graphs.kind_of(shard.operator)
+                                   if models.BACKBONES[config.backbone].operator else "none"
+                                   for shard in federation.client_shards],
             "labels": cells.labels,
             "data": {"source_sha256": meta.get("source_sha256"),
                      "format_version": meta.get("format_version")},

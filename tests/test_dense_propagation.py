@@ -141,6 +141,20 @@ def test_a_bad_propagation_value_errors_and_the_value_is_recorded():
   assert config.load_preset("wikinet", propagation="csr").to_dict()["propagation"] == "csr"
 
 
+def test_a_grid_records_the_propagation_each_bucket_took(tiny_wikinet, tmp_path):
+  import json
+  from fedjax_graph import experiment
+  from fedjax_graph.controls import RunControls
+  cfg = config.load_preset("wikinet", backbone="gcn", hidden=8, num_layers=2, local_steps=1,
+                           max_buckets=2)
+  federation = data.build_federation(cfg, tiny_wikinet, seeds=[0])
+  experiment.run_grid(cfg, "fedia", {"rho": [0.5], "beta": [0.5]}, [0], 1, 1,
+                      RunControls(out_dir=tmp_path, progress=False), domain_graphs=tiny_wikinet)
+  recorded = json.loads((tmp_path / "config.json").read_text())["bucket_propagation"]
+  assert recorded == [graphs.kind_of(s.operator) for s in federation.client_shards]
+  assert cfg.propagation == "auto" and set(recorded) <= {"dense", "csr"}
+
+
 def _federation(tiny_wikinet, kind, **overrides):
   # Small to compile (the compiles are this file's cost).
   overrides = {"max_buckets": 2, "backbone": "gcn", **overrides}

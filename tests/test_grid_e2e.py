@@ -69,6 +69,7 @@ def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, caps
   assert config["data"]["source_sha256"]  # the raw files' checksums
   assert not (out / "checkpoint.msgpack").exists()  # a finished run keeps no checkpoint
   assert config["num_clients"] == 6 and config["rounds"] == 3
+  assert config["bucket_propagation"] == ["none"] * len(config["buckets"])  # PMLP: no operator
   assert config["packages"]["jax"]
   for name in ("heatmap.png", "curves.png"):
     with Image.open(out / name) as image:
