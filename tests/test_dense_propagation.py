@@ -10,7 +10,7 @@ import scipy.sparse
 
 from fedjax_graph import cells as cells_lib
 from fedjax_graph import config, data, devices, graphs, simulation
-from conftest import dense_norm_adj, random_graph
+from conftest import dense_norm_adj, random_graph, vmapped_and_looped
 
 # A 3-node path 0 - 1 - 2 plus an isolated node 3; degrees (with self-loop) 2, 3, 2, 1.
 PATH_EDGES = np.array([[0, 1, 1, 2], [1, 0, 2, 1]])
@@ -223,10 +223,7 @@ def test_vmapped_clients_equal_python_loop_with_an_operator(tiny_wikinet):
       jax.random.PRNGKey(0), jnp.zeros((1, 8)), None, train=False)
   shards = jax.tree.map(lambda leaf: leaf[0], simulation.sim_data(federation).client_shards)
   keys = simulation.client_keys(jax.random.PRNGKey(1), 0, federation.num_clients)
-  vmapped = jax.jit(lambda p, shards, keys: simulation.for_each_client(  # arguments: not folded
-      sim.local_update, federation, sim.training_input, p, p, shards, keys))(params, shards, keys)
-  looped = simulation.for_each_client(jax.jit(sim.local_update), federation, sim.training_input,
-                                      params, params, shards, keys, backend="loop")
+  vmapped, looped = vmapped_and_looped(sim, federation, params, params, shards, keys)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                vmapped, looped)
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fake_domain
+from conftest import fake_domain, vmapped_and_looped
 
 from fedjax_graph import aggregators, cells as cells_lib, comparison, config, data, graphs, methods
 from fedjax_graph import simulation, sfpd, tables
@@ -367,13 +367,7 @@ def first_round(one_bucket):
   params = jax.tree.map(lambda leaf: leaf[0, 0], state.params)
   shards = jax.tree.map(lambda leaf: leaf[0], simulation.sim_data(federation).client_shards)
   keys = simulation.client_keys(jax.random.PRNGKey(1), 0, federation.num_clients)
-  inputs = (params, params, shards, keys)
-  run = lambda update, backend, *inputs: simulation.for_each_client(
-      update, federation, sim.training_input, *inputs, backend=backend)
-  # Inputs as arguments, not constants: XLA folds work on closed-over arrays at compile time,
-  # rounding otherwise (FGGP's updates then drifted 3 % from the loop's on an AMD EPYC host).
-  vmapped = jax.jit(lambda *inputs: run(sim.local_update, "vmap", *inputs))(*inputs)
-  looped = run(jax.jit(sim.local_update), "loop", *inputs)
+  vmapped, looped = vmapped_and_looped(sim, federation, params, params, shards, keys)
   return FirstRound(params, vmapped, looped)
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import vmapped_and_looped
 from fedjax_graph import aggregators, cells as cells_lib, client, config, data, graphs, methods
 from fedjax_graph import models, simulation
 from fedjax_graph.methods import base, fggp_server
@@ -382,13 +383,8 @@ def test_vmapped_clients_equal_the_python_loop(tiny):
                                                                    leaf.shape),
                        state.method.clients)  # each client's own classifier
   keys = simulation.client_keys(jax.random.PRNGKey(1), 0, federation.num_clients)
-  inputs = (state.params, state.params, shards, keys, heads, state.method.server)
-  run = lambda update, backend, *inputs: simulation.for_each_client(
-      update, federation, sim.training_input, *inputs, backend=backend)
-  # Inputs as arguments, not constants: XLA folds work on closed-over arrays at compile time,
-  # rounding otherwise (FGGP's updates then drifted 3 % from the loop's on an AMD EPYC host).
-  vmapped = jax.jit(lambda *inputs: run(sim.local_update, "vmap", *inputs))(*inputs)
-  looped = run(jax.jit(sim.local_update), "loop", *inputs)
+  vmapped, looped = vmapped_and_looped(sim, federation, state.params, state.params, shards, keys,
+                                       heads, state.method.server)
   jax.tree.map(lambda a, b: close(a, b, rtol=1e-4, atol=1e-5), vmapped, looped)
   assert np.all(np.isfinite(vmapped.losses))
   # Each client started from its own classifier: its state moved from there.

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import fake_domain
+from conftest import fake_domain, vmapped_and_looped
 from fedjax_graph import cells as cells_lib
 from fedjax_graph import client, config, data, methods, models, simulation, sweep
 from fedjax_graph.methods.fedproc import FedProcState, contrast_weight, fedproc, gpcl_loss
@@ -268,13 +268,7 @@ def test_vmapped_clients_equal_python_loop(cfg, federation, method):
   server = _random_server(method, params)
   shards = jax.tree.map(lambda leaf: leaf[0], simulation.sim_data(federation).client_shards)
   keys = simulation.client_keys(jax.random.PRNGKey(1), 0, federation.num_clients)
-  inputs = (params, params, shards, keys, (), server)
-  run = lambda update, backend, *inputs: simulation.for_each_client(
-      update, federation, sim.training_input, *inputs, backend=backend)
-  # Inputs as arguments, not constants: XLA folds work on closed-over arrays at compile time,
-  # rounding otherwise (FGGP's updates then drifted 3 % from the loop's on an AMD EPYC host).
-  vmapped = jax.jit(lambda *inputs: run(sim.local_update, "vmap", *inputs))(*inputs)
-  looped = run(jax.jit(sim.local_update), "loop", *inputs)
+  vmapped, looped = vmapped_and_looped(sim, federation, params, params, shards, keys, (), server)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), vmapped,
                looped)
   # Row k is client k's: its prototype counts are its own training labels.
