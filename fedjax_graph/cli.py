@@ -11,8 +11,10 @@ from fedjax_graph.config import FIELDS, Config, load_config, load_preset, parse_
 from fedjax_graph.controls import RunControls, parse_size
 from fedjax_graph.models import BACKBONES, NORMS
 
-RESUME_FLAGS = ("--raw-dir", "--cache-dir", "--no-progress", "--no-verify", "--nonfinite")
-"""The flags that still apply with ``--resume DIR``; the run's config.json fixes the rest."""
+RESUME_FLAGS = ("--raw-dir", "--cache-dir", "--no-progress", "--no-verify", "--nonfinite",
+                "--devices", "--max-memory")
+"""The flags that still apply with ``--resume DIR`` (none changes the results, but for float
+rounding across device layouts); the run's config.json fixes the rest."""
 SHORTCUTS = ("backbone", "norm", "participation")
 """Config fields with a flag of their own (``--backbone X`` is ``--set backbone=X``)."""
 
@@ -126,13 +128,13 @@ def add_sweep_flags(parser: argparse.ArgumentParser) -> None:
                            "%(default)s, every round)")
   parser.add_argument("--devices", type=int, default=None, metavar="N",
                       help="split each batch of runs (seeds x cells) over the first N devices "
-                           "(default, and with --resume: all); results equal one device's up to "
+                           "(default, also with --resume: all); results equal one device's up to "
                            "float rounding")
   parser.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
                       help="device memory a batch may take per device, e.g. 8G or 512M (binary "
                            "multiples); a batch estimated over it runs in equal sub-batches, one "
-                           "after another (default, and with --resume: 80%% of a device's memory; "
-                           "on CPU, of the host's RAM shared by its devices)")
+                           "after another (default: 80%% of a device's memory, on CPU of the "
+                           "host's RAM shared by its devices; with --resume: the run's own)")
   parser.add_argument("--resume", type=pathlib.Path, default=None, metavar="DIR",
                       help="continue the interrupted run in DIR with its own config.json "
                            f"(only {', '.join(RESUME_FLAGS)} apply; any other flag is a usage "
@@ -245,7 +247,8 @@ def preset_overrides(args) -> dict:
 def resume_kwargs(args) -> dict:
   """The flags that still apply when a script resumes a run (``resume_*`` keyword arguments)."""
   return dict(controls=RunControls(raw_dir=args.raw_dir, cache_dir=args.cache_dir,
-                                   progress=not args.no_progress, verify=not args.no_verify),
+                                   progress=not args.no_progress, verify=not args.no_verify,
+                                   devices=args.devices, max_memory=args.max_memory),
               nonfinite=args.nonfinite)
 
 

@@ -26,8 +26,9 @@ from fedjax_graph.config import Config
 from fedjax_graph.controls import RunControls
 from fedjax_graph.data import Federation, build_federation, load_dataset
 from fedjax_graph.io import remove_file
-from fedjax_graph.rundir import (check_run_args, default_out_dir, prepare_out_dir, provenance,
-                                 read_record, remove_outputs, resumed)
+from fedjax_graph.rundir import (check_run_args, default_out_dir, earlier_plans, over_budget,
+                                 prepare_out_dir, provenance, read_record, record_plan,
+                                 remove_outputs, resumed)
 from fedjax_graph.sweep import run_sweep
 
 GRID = (0.1, 0.3, 0.5, 0.7, 0.9)  # the paper's search space of each hyper-parameter
@@ -180,16 +181,17 @@ def run_cells(config: Config, federation: Federation, cells: cells_lib.Cells, ke
     return load_run(path)
   checkpoint = out_dir / f"checkpoint-{key}.msgpack"
 
-  def record_plan(plan):
+  def on_plan(plan):
     if record is not None:
-      record.setdefault("batches", {})[key] = plan
+      record_plan(record, plan, key)
       report.write_json(out_dir / "config.json", record)
 
   start = time.perf_counter()
-  history = run_sweep(config, federation, cells, rounds, controls, method=method,
-                      method_hparams=dict(hparams), description=key,
-                      checkpoint_path=checkpoint, fingerprint=fingerprint({**setup, "run": key}),
-                      on_plan=record_plan, last=last)
+  with over_budget(out_dir, record):
+    history = run_sweep(config, federation, cells, rounds, controls, method=method,
+                        method_hparams=dict(hparams), description=key,
+                        checkpoint_path=checkpoint, fingerprint=fingerprint({**setup, "run": key}),
+                        on_plan=on_plan, last=last)
   result = save_run(path, history._asdict(), cells, federation, time.perf_counter() - start)
   remove_file(checkpoint)
   return result
@@ -255,6 +257,7 @@ def _record(setup: Mapping, federation: Federation, meta: Mapping, controls: Run
             **extra) -> dict:
   return {**setup, **extra, "status": "running", "num_clients": federation.num_clients,
           "nonfinite": controls.nonfinite, "checkpoint_every": controls.checkpoint_every,
+          "max_memory": controls.max_memory,
           "eval_every": controls.eval_every,
           "raw_dir": controls.raw_dir and str(controls.raw_dir),
           "cache_dir": controls.cache_dir and str(controls.cache_dir),
@@ -332,7 +335,8 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
            "aggregators": aggregators, "settings": settings if select == "fixed" else None,
            "select": select, "seeds": [int(s) for s in seeds], "rounds": rounds,
            "chunk": controls.chunk}
-  record = _record(setup, federation, meta, controls, last=last)
+  record = _record(setup, federation, meta, controls, last=last,
+                   **earlier_plans(out_dir, controls.resume))
   report.write_json(out_dir / "config.json", record)
 
   rows, seconds, chosen, chosen_val = [], {}, {}, {}
@@ -440,7 +444,8 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
   hparams = dict(defaults["hparams"].get("fedavg", {}))
   setup = {"configs": [c.to_dict() for c in configs], "ablation": settings, "hparams": hparams,
            "aggregators": others, "seeds": [int(s) for s in seeds], "rounds": rounds, "chunk": controls.chunk}
-  record = _record(setup, federations[configs[0].setting], meta, controls, last=last)
+  record = _record(setup, federations[configs[0].setting], meta, controls, last=last,
+                   **earlier_plans(out_dir, controls.resume))
   report.write_json(out_dir / "config.json", record)
 
   markdown, csv_text, latex, all_rows = [], [], [], []

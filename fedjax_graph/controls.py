@@ -12,15 +12,25 @@ _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 def parse_size(text: str) -> int:
   """'8G' -> 8 * 2**30: bytes, with an optional K, M, G or T (binary multiples; 'GB', 'GiB' too).
 
+  Plain and scientific numbers are bytes ('1e9', '512'); fractions are rounded down.
+
   Raises:
     ValueError: for anything else or a size below one byte, naming ``text``.
   """
-  match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.I)
-  size = int(float(match[1]) * _UNITS[match[2].lower()]) if match else 0
-  if size < 1:
+  match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text),
+                       re.I)
+  if not match:
     raise ValueError(f"memory size {text!r}: give a number of bytes with an optional K, M, G "
-                     "or T suffix (binary multiples), e.g. 8G or 512M")
+                     "or T suffix (binary multiples), e.g. 8G, 512M or 1e9")
+  size = int(float(match[1]) * _UNITS[match[2].lower()])
+  if size < 1:
+    raise ValueError(f"memory size {text!r} is {size} bytes; give at least one byte, e.g. 8G "
+                     "or 512M")
   return size
+
+
+class OverBudgetError(ValueError):
+  """A batch of runs needs more memory per device than ``RunControls.max_memory`` in any layout."""
 
 
 @dataclasses.dataclass(frozen=True)

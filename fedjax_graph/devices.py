@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_graph.cells import CellBatch
+from fedjax_graph.controls import OverBudgetError
 from fedjax_graph.data import Federation
 from fedjax_graph.simulation import EvalSchedule, Simulation, host_data
 
@@ -362,6 +363,7 @@ class Plan(NamedTuple):
     xla: XLA's figure for the compiled program (plus the waiting sub-batches'
       states), None where the backend gives none.
     seconds: the time spent choosing the layout, compilation included.
+    first_round: the round this call of the sweep started from (> 0 when resumed).
   """
   layout: RunLayout
   budget: int
@@ -369,6 +371,7 @@ class Plan(NamedTuple):
   estimate: int
   xla: Optional[int]
   seconds: float = 0.0
+  first_round: int = 0
 
   def record(self) -> dict:
     """What config.json keeps of the plan."""
@@ -378,7 +381,7 @@ class Plan(NamedTuple):
             "group_runs_per_sub_batch": list(lay.per_batch),
             "memory_budget_bytes": self.budget, "memory_budget": self.budget_source,
             "memory_estimate_bytes": self.estimate, "memory_xla_bytes": self.xla,
-            "plan_seconds": self.seconds}
+            "plan_seconds": self.seconds, "first_round": self.first_round}
 
   def describe(self) -> str:
     """One line: runs, devices, split, memory."""
@@ -480,8 +483,9 @@ def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, config
     attempts: the most programs compiled to find the split (>= 1).
 
   Raises:
-    ValueError: for a bad device count, or a batch whose programs tried all
-      need more than the budget.
+    ValueError: for a bad device count.
+    controls.OverBudgetError: (a ValueError) for a batch whose programs tried
+      all need more than the budget.
   """
   begin = time.perf_counter()
   mesh = device_mesh(devices)
@@ -529,9 +533,9 @@ def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, config
     runs = sum(lay(least).per_batch)
     advice = ("raise --max-memory" + (", use more --devices" if n < len(jax.devices()) else "")
               + (", or run fewer seeds or cells at once" if num_seeds * sum(sizes) > 1 else ""))
-    raise ValueError(
+    raise OverBudgetError(
         f"the batch needs at least {format_size(need[least])} per device (the least of the "
         f"layouts tried: {least} sub-batch(es) of {runs} runs), over the budget of "
         f"{format_size(budget)} ({source}); {advice}")
   runner, plan = best
-  return runner, plan._replace(seconds=time.perf_counter() - begin)
+  return runner, plan._replace(seconds=time.perf_counter() - begin, first_round=first)

@@ -20,8 +20,9 @@ from fedjax_graph.io import remove_file
 from fedjax_graph.config import Config
 from fedjax_graph.controls import RunControls
 from fedjax_graph.data import build_federation, load_dataset
-from fedjax_graph.rundir import (CHECKPOINT, check_run_args, default_out_dir, prepare_out_dir,
-                                 provenance, read_record, remove_outputs, resumed)
+from fedjax_graph.rundir import (CHECKPOINT, check_run_args, default_out_dir, earlier_plans,
+                                 over_budget, prepare_out_dir, provenance, read_record,
+                                 record_plan, remove_outputs, resumed)
 from fedjax_graph.simulation import EvalSchedule
 from fedjax_graph.sweep import run_sweep
 
@@ -65,6 +66,7 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
     domain_graphs, meta = load_dataset(config.dataset, controls.raw_dir, controls.cache_dir,
                                        controls.verify)
   federation = build_federation(config, domain_graphs, seeds)
+  plans = earlier_plans(out_dir, controls.resume)
   if controls.overwrite:
     remove_outputs(out_dir, OUTPUTS)
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -72,7 +74,8 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
   setup = {"config": config.to_dict(), "aggregator": aggregator, "grid": grid,
            "seeds": [int(s) for s in seeds], "rounds": rounds, "chunk": controls.chunk}
   record = {**setup, "last": last, "eval_every": controls.eval_every,
-            "nonfinite": controls.nonfinite, "status": "running",
+            "nonfinite": controls.nonfinite, "max_memory": controls.max_memory,
+            "status": "running",
             "raw_dir": controls.raw_dir and str(controls.raw_dir),
             "cache_dir": controls.cache_dir and str(controls.cache_dir),
             "num_clients": federation.num_clients,
@@ -84,18 +87,19 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
             "labels": cells.labels,
             "data": {"source_sha256": meta.get("source_sha256"),
                      "format_version": meta.get("format_version")},
-            **provenance()}
+            **provenance(), **plans}
   report.write_json(out_dir / "config.json", record)
 
-  def record_plan(plan):  # how the batch runs (devices, sub-batches, memory), once chosen
-    record["batch"] = plan
+  def on_plan(plan):  # how the batch runs (devices, sub-batches, memory), once chosen
+    record_plan(record, plan)
     report.write_json(out_dir / "config.json", record)
 
   start = time.perf_counter()
-  history = run_sweep(config, federation, cells, rounds, controls,
-                      description=f"{config.dataset}-{config.setting}",
-                      checkpoint_path=out_dir / CHECKPOINT, fingerprint=fingerprint(setup),
-                      on_plan=record_plan, last=last)
+  with over_budget(out_dir, record):
+    history = run_sweep(config, federation, cells, rounds, controls,
+                        description=f"{config.dataset}-{config.setting}",
+                        checkpoint_path=out_dir / CHECKPOINT, fingerprint=fingerprint(setup),
+                        on_plan=on_plan, last=last)
   wall = time.perf_counter() - start
 
   base = cells.index("FedAvg")

@@ -7,6 +7,7 @@ a tool's own files, check a run's length and seeds before anything is
 written, and give a resumed run its own controls back.
 """
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -15,7 +16,7 @@ import subprocess
 from typing import Mapping, Optional, Sequence
 
 from fedjax_graph.config import Config
-from fedjax_graph.controls import RunControls
+from fedjax_graph.controls import OverBudgetError, RunControls
 from fedjax_graph.io import is_writer, remove_file
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "jraph", "numpy", "scipy")
@@ -127,12 +128,64 @@ def read_record(out_dir: pathlib.Path, required: str) -> dict:
 
 def resumed(controls: RunControls, record: Mapping, out_dir: pathlib.Path,
             nonfinite: Optional[str] = None) -> RunControls:
-  """The controls of a resumed run: the run's own, but for the data locations, progress and
-  checks of ``controls`` and the policy ``nonfinite`` (None: the run's)."""
+  """The controls of a resumed run: the run's own, but for the data locations, progress,
+  checks, devices and memory budget of ``controls`` (a budget not given: the run's) and the
+  policy ``nonfinite`` (None: the run's)."""
   return controls.replace(
       out_dir=out_dir, resume=True, overwrite=False, chunk=record["chunk"],
       checkpoint_every=record.get("checkpoint_every", 1),
       eval_every=record.get("eval_every", 1),
       raw_dir=controls.raw_dir or record.get("raw_dir"),
       cache_dir=controls.cache_dir or record.get("cache_dir"),
+      max_memory=controls.max_memory or record.get("max_memory"),
       nonfinite=nonfinite or record["nonfinite"])
+
+
+def earlier_plans(out_dir: pathlib.Path, resume: bool) -> dict:
+  """What a resumed run's new config.json keeps of the old: the batch plans of earlier calls.
+
+  Returns:
+    ``{"batch": ..., "batches": ..., "earlier_batches": ...}`` where the old
+    record has them (``record_plan``); ``{}`` for a new run.
+  """
+  if not resume or not (out_dir / "config.json").exists():
+    return {}
+  old = json.loads((out_dir / "config.json").read_text())
+  return {key: old[key] for key in ("batch", "batches", "earlier_batches") if key in old}
+
+
+def record_plan(record: dict, plan: dict, run: Optional[str] = None) -> None:
+  """Puts a call's batch plan (``devices.Plan.record()``) into a run's config.json contents.
+
+  A grid's plan is ``record["batch"]``, a table's of one method or reference
+  ``record["batches"][run]``; the plan of an earlier call that this one
+  replaces (a resumed run is laid out anew) moves to
+  ``record["earlier_batches"]``, tagged with its ``run``.
+  """
+  holder, name = (record, "batch") if run is None else (record.setdefault("batches", {}), run)
+  if name in holder:
+    record.setdefault("earlier_batches", []).append({"run": run, **holder[name]})
+  holder[name] = plan
+
+
+@contextlib.contextmanager
+def over_budget(out_dir: pathlib.Path, record: Optional[dict]):
+  """Around a sweep: a batch over the memory budget leaves the run resumable, and says how.
+
+  ``record`` (the run's config.json contents, if any) gets the status
+  ``stopped: over the memory budget``; the error is raised again with the
+  command that continues the run (``--resume`` takes a new ``--max-memory``).
+
+  Raises:
+    controls.OverBudgetError: the sweep's, with that advice.
+  """
+  try:
+    yield
+  except OverBudgetError as err:
+    if record is not None and is_writer():
+      from fedjax_graph import report  # matplotlib's import cost only here
+
+      report.write_json(out_dir / "config.json",
+                        {**record, "status": "stopped: over the memory budget"})
+    raise OverBudgetError(f"{err}. {out_dir} keeps the run: continue it with --resume {out_dir} "
+                          "--max-memory SIZE") from None

@@ -114,14 +114,17 @@ def test_the_chosen_config_is_what_config_json_records(tmp_path, tiny_wikinet, m
 def test_resume_refuses_flags_that_do_not_apply(flags, refused, tmp_path, capsys):
   err = usage_error("grid", ["--resume", str(tmp_path), *flags], capsys)
   assert (f"{refused}: not applicable to --resume, which continues the run with its own "
-          "config.json; only --raw-dir, --cache-dir, --no-progress, --no-verify, --nonfinite "
-          "apply") in err
+          "config.json; only --raw-dir, --cache-dir, --no-progress, --no-verify, --nonfinite, "
+          "--devices, --max-memory apply") in err
 
 
 def test_resume_takes_the_flags_that_apply(tmp_path):
   args = cli.parse_args(_parser(), ["--resume", str(tmp_path), "--raw-dir", "r", "--cache-dir",
-                                    "c", "--no-progress", "--no-verify", "--nonfinite", "skip"])
+                                    "c", "--no-progress", "--no-verify", "--nonfinite", "skip",
+                                    "--devices", "1", "--max-memory", "2G"])
   assert args.resume == tmp_path and args.nonfinite == "skip" and args.rounds == 200
+  controls = cli.resume_kwargs(args)["controls"]
+  assert controls.devices == 1 and controls.max_memory == 2 * 2**30
 
 
 def _interrupted(out, capsys):

@@ -198,14 +198,21 @@ def test_layout_pads_with_real_runs_and_round_trips():
 
 @pytest.mark.parametrize("text, size", [("8G", 8 * 2**30), ("512M", 512 * 2**20),
                                         ("1.5g", 3 * 2**29), ("8GiB", 8 * 2**30),
-                                        ("2 GB", 2 * 2**30), ("100", 100), ("64k", 2**16)])
+                                        ("2 GB", 2 * 2**30), ("100", 100), ("64k", 2**16),
+                                        ("1e9", 10**9), ("2.5E3", 2500)])
 def test_memory_sizes_parse(text, size):
   assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text", ["", "8X", "-1G", "0", "G", "1e3"])
+@pytest.mark.parametrize("text", ["", "8X", "-1G", "-5M", "G", "e3", "1e"])
 def test_bad_memory_sizes_name_the_text(text):
   with pytest.raises(ValueError, match=f"memory size {text!r}: give a number of bytes"):
+    parse_size(text)
+
+
+@pytest.mark.parametrize("text, size", [("0", 0), ("0.5", 0)])
+def test_memory_sizes_below_one_byte_say_so(text, size):
+  with pytest.raises(ValueError, match=f"memory size {text!r} is {size} bytes; give at least one"):
     parse_size(text)
 
 
@@ -262,16 +269,30 @@ def test_collectives_are_found_by_name():
   assert devices.collectives("%r = f32[2] reduce(%a, %b), to_apply=%sum") == []
 
 
-def test_a_budget_nothing_fits_names_the_least_need_measured(tiny_wikinet, tmp_path):
+def test_a_budget_nothing_fits_names_the_least_need_and_the_run_resumes(tiny_wikinet, tmp_path):
   from fedjax_graph import config, experiment
+  from fedjax_graph.controls import OverBudgetError
   cfg = config.load_preset("wikinet", hidden=8, max_buckets=1, num_layers=2, local_steps=2)
-  controls = RunControls(out_dir=tmp_path / "run", progress=False, chunk=2, max_memory=1024)
-  with pytest.raises(ValueError) as err:
+  out = tmp_path / "run"
+  controls = RunControls(out_dir=out, progress=False, chunk=2, max_memory=1024)
+  with pytest.raises(OverBudgetError) as err:
     experiment.run_grid(cfg, "fedia", {"rho": [0.5], "beta": [0.5]}, [0, 1], 2, 2, controls,
                         domain_graphs=tiny_wikinet)
   message = str(err.value)
   assert re.search(r"the batch needs at least \S+ \S+ per device \(the least of the layouts "
                    r"tried: \d+ sub-batch\(es\) of \d+ runs\), over the budget of 1.00 KiB "
-                   r"\(--max-memory\); raise --max-memory, or run fewer seeds or cells at once$",
-                   message), message
+                   r"\(--max-memory\); raise --max-memory, or run fewer seeds or cells at once\. "
+                   + re.escape(f"{out} keeps the run: continue it with --resume {out} "
+                               "--max-memory SIZE") + "$", message), message
   assert "--devices" not in message  # one device is all there is
+  record = json.loads((out / "config.json").read_text())
+  assert record["status"] == "stopped: over the memory budget" and record["max_memory"] == 1024
+  # Resumed without a budget: the run's own, still too small; with a new one, it finishes.
+  with pytest.raises(OverBudgetError, match="over the budget of 1.00 KiB"):
+    experiment.resume_grid(out, RunControls(progress=False), domain_graphs=tiny_wikinet)
+  experiment.resume_grid(out, RunControls(progress=False, max_memory=2**34),
+                         domain_graphs=tiny_wikinet)
+  record = json.loads((out / "config.json").read_text())
+  assert record["status"] == "finished" and record["max_memory"] == 2**34
+  assert record["batch"]["memory_budget_bytes"] == 2**34 and record["batch"]["first_round"] == 0
+  assert "earlier_batches" not in record  # the calls that found no layout recorded none

@@ -90,6 +90,11 @@ def test_table_resume_equals_uninterrupted(tiny_config, tiny_wikinet, tmp_path, 
   with pytest.raises(ValueError, match="unfinished run; continue it with --resume"):
     run(tmp_path / "cut")
   comparison.resume_table(tmp_path / "cut", controls, domain_graphs=tiny_wikinet)
+  # The first call's plans are kept: fedavg's, and scaffold's that the resumed call replaced.
+  record = json.loads((tmp_path / "cut" / "config.json").read_text())
+  assert {k: p["first_round"] for k, p in record["batches"].items()} == {"fedavg": 0,
+                                                                         "scaffold": 2}
+  assert [(p["run"], p["first_round"]) for p in record["earlier_batches"]] == [("scaffold", 0)]
   for name in ("fedavg", "scaffold"):
     a = comparison.load_run(whole / "runs" / f"{name}.npz")
     b = comparison.load_run(tmp_path / "cut" / "runs" / f"{name}.npz")
