@@ -401,8 +401,8 @@ ROUNDS = 2
 
 def test_fggp_plus_fedia_on_real_wikinet(raw_dir, prepared_cache):
   graphs_, _ = data.load_dataset("wikinet", raw_dir=raw_dir, cache_dir=prepared_cache)
-  # The preset's 6 clients (crocodile's two: N = 5,824 each), a narrow model to keep it short.
-  cfg = config.load_preset("wikinet", hidden=8, local_steps=2)
+  # The preset's 6 clients (crocodile's two: N = 5,824 each), a narrow, shallow model to keep it short.
+  cfg = config.load_preset("wikinet", hidden=8, num_layers=2, local_steps=2)
   federation = data.build_federation(cfg, graphs_, seeds=[0])
   sim = simulation.make_simulation(cfg, federation, method="fggp")
   cells = cells_lib.Cells([cells_lib.cell("fedia", rho=0.5, beta=0.5)])  # FGGP+FedIA
