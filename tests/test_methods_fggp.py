@@ -401,7 +401,7 @@ ROUNDS = 2
 
 def test_fggp_plus_fedia_on_real_wikinet(raw_dir, prepared_cache):
   graphs_, _ = data.load_dataset("wikinet", raw_dir=raw_dir, cache_dir=prepared_cache)
-  # The preset's 6 clients (crocodile's two: N = 5,824 each), a narrow, shallow model to keep it short.
+  # The preset's 6 clients (crocodile's two: N = 5,824 each), a narrow 2-layer model: short.
   cfg = config.load_preset("wikinet", hidden=8, num_layers=2, local_steps=2)
   federation = data.build_federation(cfg, graphs_, seeds=[0])
   sim = simulation.make_simulation(cfg, federation, method="fggp")
