@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 from data_prep.registry import DATASETS
 from fedjax_graph.config import FIELDS, Config, load_config, load_preset, parse_override
-from fedjax_graph.controls import RunControls, parse_size
+from fedjax_graph.controls import OverBudgetError, RunControls, parse_size
 from fedjax_graph.models import BACKBONES, NORMS
 
 RESUME_FLAGS = ("--raw-dir", "--cache-dir", "--no-progress", "--no-verify", "--nonfinite",
@@ -283,6 +283,8 @@ def guarded(parser: argparse.ArgumentParser, run: Callable[[], object],
 
   try:
     run()
+  except OverBudgetError as err:  # not a usage error: the flags were fine, the machine small
+    sys.exit(f"error: {err}")
   except ValueError as err:
     parser.error(str(err))
   except (OSError, NonFiniteUpdateError) as err:  # Missing files, no network, bad paths.

@@ -26,7 +26,7 @@ from fedjax_graph.config import Config
 from fedjax_graph.controls import RunControls
 from fedjax_graph.data import Federation, build_federation, load_dataset
 from fedjax_graph.io import remove_file
-from fedjax_graph.rundir import (check_run_args, default_out_dir, earlier_plans, over_budget,
+from fedjax_graph.rundir import (check_run_args, default_out_dir, earlier_plans, marks_stopped,
                                  prepare_out_dir, provenance, read_record, record_plan,
                                  remove_outputs, resumed)
 from fedjax_graph.sweep import run_sweep
@@ -187,7 +187,7 @@ def run_cells(config: Config, federation: Federation, cells: cells_lib.Cells, ke
       report.write_json(out_dir / "config.json", record)
 
   start = time.perf_counter()
-  with over_budget(out_dir, record):
+  with marks_stopped(out_dir, record):
     history = run_sweep(config, federation, cells, rounds, controls, method=method,
                         method_hparams=dict(hparams), description=key,
                         checkpoint_path=checkpoint, fingerprint=fingerprint({**setup, "run": key}),

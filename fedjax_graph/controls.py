@@ -1,6 +1,7 @@
 """How a run is carried out (not what it computes): data locations, chunks, checkpoints, policies."""
 
 import dataclasses
+import math
 import pathlib
 import re
 from typing import Optional
@@ -22,7 +23,11 @@ def parse_size(text: str) -> int:
   if not match:
     raise ValueError(f"memory size {text!r}: give a number of bytes with an optional K, M, G "
                      "or T suffix (binary multiples), e.g. 8G, 512M or 1e9")
-  size = int(float(match[1]) * _UNITS[match[2].lower()])
+  value = float(match[1]) * _UNITS[match[2].lower()]
+  if not math.isfinite(value):
+    raise ValueError(f"memory size {text!r} is too large to be a number of bytes; e.g. 8G or "
+                     "512M")
+  size = int(value)
   if size < 1:
     raise ValueError(f"memory size {text!r} is {size} bytes; give at least one byte, e.g. 8G "
                      "or 512M")

@@ -21,7 +21,7 @@ from fedjax_graph.config import Config
 from fedjax_graph.controls import RunControls
 from fedjax_graph.data import build_federation, load_dataset
 from fedjax_graph.rundir import (CHECKPOINT, check_run_args, default_out_dir, earlier_plans,
-                                 over_budget, prepare_out_dir, provenance, read_record,
+                                 marks_stopped, prepare_out_dir, provenance, read_record,
                                  record_plan, remove_outputs, resumed)
 from fedjax_graph.simulation import EvalSchedule
 from fedjax_graph.sweep import run_sweep
@@ -95,7 +95,7 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
     report.write_json(out_dir / "config.json", record)
 
   start = time.perf_counter()
-  with over_budget(out_dir, record):
+  with marks_stopped(out_dir, record):
     history = run_sweep(config, federation, cells, rounds, controls,
                         description=f"{config.dataset}-{config.setting}",
                         checkpoint_path=out_dir / CHECKPOINT, fingerprint=fingerprint(setup),

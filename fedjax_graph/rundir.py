@@ -81,8 +81,17 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
     raise ValueError(f"{out_dir} holds an unfinished run that cannot be resumed; pass "
                      "--overwrite to replace it or choose another --out")
   elif unfinished:
-    raise ValueError(f"{out_dir} holds an unfinished run; continue it with --resume {out_dir} "
-                     "or pass --overwrite to start again")
+    raise ValueError(f"{out_dir} holds an unfinished run; continue it with --resume {out_dir}"
+                     + (" --max-memory SIZE (it stopped over its memory budget)"
+                        if _status(out_dir) == STOPPED_OVER_BUDGET else "")
+                     + " or pass --overwrite to start again")
+
+
+def _status(out_dir: pathlib.Path) -> Optional[str]:
+  try:
+    return json.loads((out_dir / "config.json").read_text()).get("status")
+  except (OSError, ValueError):
+    return None
 
 
 def remove_outputs(out_dir: pathlib.Path, names) -> None:
@@ -160,32 +169,45 @@ def record_plan(record: dict, plan: dict, run: Optional[str] = None) -> None:
   A grid's plan is ``record["batch"]``, a table's of one method or reference
   ``record["batches"][run]``; the plan of an earlier call that this one
   replaces (a resumed run is laid out anew) moves to
-  ``record["earlier_batches"]``, tagged with its ``run``.
+  ``record["earlier_batches"]`` (a table's tagged with its ``run``).
   """
   holder, name = (record, "batch") if run is None else (record.setdefault("batches", {}), run)
   if name in holder:
-    record.setdefault("earlier_batches", []).append({"run": run, **holder[name]})
+    record.setdefault("earlier_batches", []).append(
+        holder[name] if run is None else {"run": run, **holder[name]})
   holder[name] = plan
 
 
+STOPPED_OVER_BUDGET = "stopped: over the memory budget"
+
+
 @contextlib.contextmanager
-def over_budget(out_dir: pathlib.Path, record: Optional[dict]):
-  """Around a sweep: a batch over the memory budget leaves the run resumable, and says how.
+def marks_stopped(out_dir: pathlib.Path, record: Optional[dict]):
+  """Around a sweep: a run that stops says so in its config.json, and resumes as it says.
 
   ``record`` (the run's config.json contents, if any) gets the status
-  ``stopped: over the memory budget``; the error is raised again with the
-  command that continues the run (``--resume`` takes a new ``--max-memory``).
+  ``stopped: over the memory budget`` for a batch that fits no layout (the
+  error is raised again with the command that continues the run: ``--resume``
+  takes a new ``--max-memory``), or ``stopped: <exception name>`` for any
+  other exception (Ctrl-C: ``stopped: KeyboardInterrupt``), instead of
+  ``running``.
 
   Raises:
-    controls.OverBudgetError: the sweep's, with that advice.
+    controls.OverBudgetError: the sweep's, with that advice; any other
+      exception as it was.
   """
-  try:
-    yield
-  except OverBudgetError as err:
+  def mark(status):
     if record is not None and is_writer():
       from fedjax_graph import report  # matplotlib's import cost only here
 
-      report.write_json(out_dir / "config.json",
-                        {**record, "status": "stopped: over the memory budget"})
+      report.write_json(out_dir / "config.json", {**record, "status": status})
+
+  try:
+    yield
+  except OverBudgetError as err:
+    mark(STOPPED_OVER_BUDGET)
     raise OverBudgetError(f"{err}. {out_dir} keeps the run: continue it with --resume {out_dir} "
                           "--max-memory SIZE") from None
+  except BaseException as err:
+    mark(f"stopped: {type(err).__name__}")
+    raise

@@ -170,7 +170,7 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
   runner, plan = devices_lib.plan_batch(sim, federation, batch, config, state, start,
                                         min(chunk, rounds - start), controls.devices,
                                         controls.max_memory, schedule)
-  print(plan.describe())
+  print(f"{description}: {plan.describe()}" if description else plan.describe())
   if on_plan is not None:
     on_plan(plan.record())
   bar = tqdm(total=rounds, initial=start, desc=description, unit="round",

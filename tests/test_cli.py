@@ -163,6 +163,28 @@ def test_ctrl_c_says_what_was_kept_and_names_the_folder(tmp_path, capsys):
   assert _interrupted(out, capsys) == f"interrupted; {out} still holds the finished run it held"
 
 
+def test_a_batch_over_the_budget_is_a_one_line_error_not_a_usage_error(capsys):
+  from fedjax_graph.controls import OverBudgetError
+
+  def run():
+    raise OverBudgetError("the batch needs at least 2 MiB per device")
+
+  with pytest.raises(SystemExit) as exit_info:
+    cli.guarded(_parser(), run, argparse.Namespace(resume=None, out=None))
+  assert exit_info.value.code == "error: the batch needs at least 2 MiB per device"
+  assert "usage:" not in capsys.readouterr().err
+
+
+def test_a_stopped_sweep_says_so_in_config_json(tmp_path):
+  from fedjax_graph.rundir import marks_stopped
+  record = {"status": "running", "seeds": [0]}
+  with pytest.raises(KeyboardInterrupt), marks_stopped(tmp_path, record):
+    raise KeyboardInterrupt
+  assert json.loads((tmp_path / "config.json").read_text()) == {
+      "status": "stopped: KeyboardInterrupt", "seeds": [0]}
+  assert _interrupted(tmp_path, None).startswith("interrupted before the first checkpoint")
+
+
 def test_ctrl_c_in_a_script_names_the_default_folder(monkeypatch, capsys):
   def stopped(*args, **kwargs):
     raise KeyboardInterrupt

@@ -214,6 +214,8 @@ def test_bad_memory_sizes_name_the_text(text):
 def test_memory_sizes_below_one_byte_say_so(text, size):
   with pytest.raises(ValueError, match=f"memory size {text!r} is {size} bytes; give at least one"):
     parse_size(text)
+  with pytest.raises(ValueError, match="memory size '1e400' is too large"):
+    parse_size("1e400")
 
 
 def test_flags_reach_the_run_controls(capsys):
@@ -287,6 +289,10 @@ def test_a_budget_nothing_fits_names_the_least_need_and_the_run_resumes(tiny_wik
   assert "--devices" not in message  # one device is all there is
   record = json.loads((out / "config.json").read_text())
   assert record["status"] == "stopped: over the memory budget" and record["max_memory"] == 1024
+  with pytest.raises(ValueError, match=re.escape(
+      f"continue it with --resume {out} --max-memory SIZE (it stopped over its memory budget)")):
+    experiment.run_grid(cfg, "fedia", {"rho": [0.5], "beta": [0.5]}, [0, 1], 2, 2, controls,
+                        domain_graphs=tiny_wikinet)
   # Resumed without a budget: the run's own, still too small; with a new one, it finishes.
   with pytest.raises(OverBudgetError, match="over the budget of 1.00 KiB"):
     experiment.resume_grid(out, RunControls(progress=False), domain_graphs=tiny_wikinet)

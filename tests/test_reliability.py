@@ -72,14 +72,14 @@ def test_grid_resume_overwrite_and_refusals(setup, tiny_wikinet, tmp_path, monke
   with pytest.raises(Interrupt):
     run(tmp_path / "cut")
   monkeypatch.setattr(sweep, "make_simulation", real)
-  assert json.loads((tmp_path / "cut" / "config.json").read_text())["status"] == "running"
+  assert json.loads((tmp_path / "cut" / "config.json").read_text())["status"] == "stopped: Interrupt"
   with pytest.raises(ValueError, match="unfinished run; continue it with --resume"):
     run(tmp_path / "cut")
   experiment.resume_grid(tmp_path / "cut", QUIET, domain_graphs=tiny_wikinet)
   # Each call's batch plan is kept: the resumed call's, and the first one's from round 0.
   record = json.loads((tmp_path / "cut" / "config.json").read_text())
   assert record["batch"]["first_round"] == 2
-  assert [(p["run"], p["first_round"]) for p in record["earlier_batches"]] == [(None, 0)]
+  assert [p["first_round"] for p in record["earlier_batches"]] == [0]
 
   a, b = np.load(whole / "history.npz"), np.load(tmp_path / "cut" / "history.npz")
   assert sorted(a.files) == sorted(b.files)
