@@ -34,6 +34,7 @@ import math
 import os
 import re
 import time
+import warnings
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -70,14 +71,14 @@ def format_size(num_bytes: Optional[float]) -> str:
   """1.5 * 2**30 -> '1.50 GiB'."""
   if num_bytes is None:
     return "n/a"
-  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+  for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
     if num_bytes >= scale:
       return f"{num_bytes / scale:.2f} {unit}"
   return f"{int(num_bytes)} B"
 
 
-def default_budget(mesh: Mesh) -> tuple[int, str]:
-  """``DEFAULT_SHARE`` of a device's memory, in bytes, and where that figure comes from.
+def device_memory(mesh: Mesh) -> tuple[int, str]:
+  """A device's memory in bytes, and what that figure is.
 
   The device's allocator limit (``memory_stats()["bytes_limit"]``: GPUs,
   TPUs); else, on CPU, the host's RAM (``os.sysconf``) shared by the mesh's
@@ -86,14 +87,17 @@ def default_budget(mesh: Mesh) -> tuple[int, str]:
   device = mesh.devices.flat[0]
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   if stats and stats.get("bytes_limit"):
-    limit = stats["bytes_limit"]
-    return (int(DEFAULT_SHARE * limit),
-            f"{DEFAULT_SHARE:.0%} of the {device.platform} device's {format_size(limit)}")
+    return stats["bytes_limit"], f"the {device.platform} device's {format_size(stats['bytes_limit'])}"
   ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-  return (int(DEFAULT_SHARE * ram / local),
-          f"{DEFAULT_SHARE:.0%} of the host's {format_size(ram)} RAM"
+  return (ram // local, f"the host's {format_size(ram)} RAM"
           + (f" over {local} devices" if local > 1 else ""))
+
+
+def default_budget(mesh: Mesh) -> tuple[int, str]:
+  """``DEFAULT_SHARE`` of a device's memory (``device_memory``), in bytes, and its source."""
+  limit, what = device_memory(mesh)
+  return int(DEFAULT_SHARE * limit), f"{DEFAULT_SHARE:.0%} of {what}"
 
 
 class RunLayout(NamedTuple):
@@ -491,6 +495,11 @@ def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, config
   mesh = device_mesh(devices)
   budget, source = ((max_memory, "--max-memory") if max_memory is not None
                     else default_budget(mesh))
+  limit, what = device_memory(mesh)
+  if budget > limit:
+    # The budget only splits batches; it cannot add memory the device lacks.
+    warnings.warn(f"--max-memory {format_size(budget)} is above {what}; a batch that needs "
+                  f"more than the device has fails with an out-of-memory error, not a split")
   num_seeds, sizes, n = len(federation.seeds), [g.size for g in batch.groups], mesh.size
   est = estimate(sim, federation, batch, config, max(size, 1))
   finest = finest_split(num_seeds, sizes, n)

@@ -296,9 +296,11 @@ def test_a_budget_nothing_fits_names_the_least_need_and_the_run_resumes(tiny_wik
   # Resumed without a budget: the run's own, still too small; with a new one, it finishes.
   with pytest.raises(OverBudgetError, match="over the budget of 1.00 KiB"):
     experiment.resume_grid(out, RunControls(progress=False), domain_graphs=tiny_wikinet)
-  experiment.resume_grid(out, RunControls(progress=False, max_memory=2**34),
-                         domain_graphs=tiny_wikinet)
+  # A budget above the host's RAM is taken, with a warning that it adds no memory.
+  with pytest.warns(UserWarning, match=r"--max-memory 16.00 TiB is above the host's \S+ \S+ RAM"):
+    experiment.resume_grid(out, RunControls(progress=False, max_memory=2**44),
+                           domain_graphs=tiny_wikinet)
   record = json.loads((out / "config.json").read_text())
-  assert record["status"] == "finished" and record["max_memory"] == 2**34
-  assert record["batch"]["memory_budget_bytes"] == 2**34 and record["batch"]["first_round"] == 0
+  assert record["status"] == "finished" and record["max_memory"] == 2**44
+  assert record["batch"]["memory_budget_bytes"] == 2**44 and record["batch"]["first_round"] == 0
   assert "earlier_batches" not in record  # the calls that found no layout recorded none
