@@ -86,8 +86,9 @@ def device_memory(mesh: Mesh) -> tuple[int, str]:
   """
   device = mesh.devices.flat[0]
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-  if stats and stats.get("bytes_limit"):
-    return stats["bytes_limit"], f"the {device.platform} device's {format_size(stats['bytes_limit'])}"
+  limit = stats.get("bytes_limit") if stats else None
+  if limit:
+    return limit, f"the {device.platform} device's {format_size(limit)}"
   ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
   return (ram // local, f"the host's {format_size(ram)} RAM"
