@@ -89,8 +89,8 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
 
 def _status(out_dir: pathlib.Path) -> Optional[str]:
   try:
-    return json.loads((out_dir / "config.json").read_text()).get("status")
-  except (OSError, ValueError):
+    return read_record(out_dir, "status")["status"]
+  except (OSError, ValueError):  # no record or an unreadable one: no hint to add
     return None
 
 
