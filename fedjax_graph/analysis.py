@@ -154,6 +154,37 @@ def constant_domains(predicted_classes: np.ndarray, last: int) -> np.ndarray:
   return (predicted_classes[:, -last:] <= 1).all(axis=1)
 
 
+# Twitch and WikiNet runs that learn move a domain's accuracy by < 1 point per
+# round at the end; runs whose client weights flip between two winners move
+# it by 20-26 points each round (two near-constant models taking turns).
+OSCILLATION_POINTS = 10.0
+
+
+def oscillating_domains(test_acc: np.ndarray, last: int,
+                        threshold: float = OSCILLATION_POINTS) -> np.ndarray:
+  """bool[S, D]: the domain's accuracy swings between consecutive final rounds by > ``threshold`` points on average.
+
+  A model that alternates between two near-constant predictions (e.g. one
+  class in even rounds, the other in odd rounds) averages over the final
+  rounds to a score between the two class shares, yet never ends at one
+  predicted class, so ``constant_domains`` does not see it. Its mean over the
+  final rounds measures nothing about aggregation either.
+
+  Args:
+    test_acc: [S, T, D] fractions in [0, 1]; the final ``last`` rounds must
+      all be evaluated (they are, whatever the evaluation interval).
+    last: as for ``final_rounds``; the swing is the mean of the ``last`` - 1
+      absolute round-to-round changes (never with ``last`` = 1: all False).
+    threshold: percentage points.
+  """
+  test_acc = np.asarray(test_acc, np.float64)
+  last = check_last(last, test_acc.shape[1])
+  if last < 2:
+    return np.zeros((test_acc.shape[0], test_acc.shape[2]), bool)
+  swing = 100.0 * np.abs(np.diff(test_acc[:, -last:], axis=1)).mean(axis=1)
+  return swing > threshold  # NaN compares False: a NaN run is NC already
+
+
 def loss_slope(train_loss: np.ndarray, last: int) -> np.ndarray:
   """f64[S]: least-squares slope of each seed's training loss over the final rounds (loss/round).
 

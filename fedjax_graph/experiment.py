@@ -145,7 +145,7 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
   report.write_summary_csv(rows, out_dir / "summary.csv")
   remove_file(out_dir / CHECKPOINT)
 
-  for warning in report.constant_warnings(base_runs, grid_runs, labels, domains, last, seeds):
+  for warning in report.degenerate_warnings(base_runs, grid_runs, labels, domains, last, seeds):
     print(f"warning: {warning}")
   best = report.best_cell(rows)
   print(report.format_table(rows, max_rows=10))

@@ -147,14 +147,15 @@ def summary_columns(domains: Sequence[str], hparams: Sequence[str]) -> list[str]
     ``method``, then ``hparams``; ``<d>_mean, <d>_std`` per domain, then
     ``avg_mean, avg_std``; the same with ``_bacc`` and then ``_f1`` before
     ``_mean`` / ``_std``; ``std_over, delta_avg, delta_avg_ci, delta_bacc,
-    constant_domains, train_loss_slope, skipped_updates``.
+    constant_domains, oscillating_domains, train_loss_slope, skipped_updates``.
   """
   cols = ["method", *hparams]
   for metric in METRICS:
     for name in [str(d) for d in domains] + [AVG]:
       cols += [f"{name}{metric}_mean", f"{name}{metric}_std"]
   return cols + ["std_over", "delta_avg", "delta_avg_ci", "delta_bacc",
-                 "constant_domains", "train_loss_slope", "skipped_updates"]
+                 "constant_domains", "oscillating_domains", "train_loss_slope",
+                 "skipped_updates"]
 
 
 def hparam_names(row: Mapping[str, Any]) -> list[str]:
@@ -204,6 +205,7 @@ def _summary_row(method: str, hparams: Mapping[str, Any], domains: Sequence[str]
                delta_bacc=float(bacc.mean[-1]))
   row["constant_domains"] = int(
       analysis.constant_domains(run.predicted_classes, last).sum())
+  row["oscillating_domains"] = int(analysis.oscillating_domains(run.acc, last).sum())
   row["train_loss_slope"] = float(analysis.loss_slope(run.train_loss, last).mean())
   row["skipped_updates"] = int(skipped)
   return row
@@ -242,6 +244,10 @@ def summarize(base: Runs, cells: Runs, hparams: Mapping[str, Any],
   * ``delta_bacc``: AVG balanced accuracy minus the base's (points).
   * ``constant_domains``: number of (seed, domain) pairs whose model predicts
     at most one class on the domain's test nodes in every final round.
+  * ``oscillating_domains``: number of (seed, domain) pairs whose accuracy
+    changes by more than ``analysis.OSCILLATION_POINTS`` points from one
+    final round to the next on average (near-constant models taking turns,
+    which ``constant_domains`` does not count).
   * ``train_loss_slope``: mean over seeds of the least-squares slope of the
     training loss over the final rounds (loss per round; > 0: rising).
   * ``skipped_updates``: non-finite client updates left out, all rounds and
@@ -293,15 +299,17 @@ def summarize(base: Runs, cells: Runs, hparams: Mapping[str, Any],
   return rows
 
 
-def constant_warnings(base: Runs, cells: Runs, labels: Sequence[str],
-                      domains: Sequence[str], last: int,
-                      seeds: Sequence[int] | None = None,
-                      base_label: str = "FedAvg") -> list[str]:
-  """One line per (seed, run) whose prediction ends constant on some domain.
+def degenerate_warnings(base: Runs, cells: Runs, labels: Sequence[str],
+                        domains: Sequence[str], last: int,
+                        seeds: Sequence[int] | None = None,
+                        base_label: str = "FedAvg") -> list[str]:
+  """One line per (seed, run) that ends constant or oscillating on some domain.
 
   E.g. ``seed 0, FedIA ρ=0.3, β=0.5: constant prediction on EN, ES through
-  the last 20 rounds``. Such a domain's accuracy is a class share, not a
-  measure of aggregation. Only ``predicted_classes`` is read.
+  the last 20 rounds`` or ``...: accuracy swings by > 10 points per round on
+  DE through the last 20 rounds`` (``analysis.constant_domains``,
+  ``analysis.oscillating_domains``). Such a domain's final-rounds accuracy is
+  a class share, or the mean of two, not a measure of aggregation.
 
   Args:
     base, cells, domains, last: as for ``summarize``.
@@ -311,21 +319,30 @@ def constant_warnings(base: Runs, cells: Runs, labels: Sequence[str],
 
   Returns:
     The lines, seed by seed, the base before the cells in input order; empty
-    when no run ends constant.
+    when no run ends constant or oscillating.
 
   Raises:
     ValueError: If there is not one label per cell.
   """
   classes = [np.asarray(base.predicted_classes)] + list(np.asarray(cells.predicted_classes))
+  acc = [np.asarray(base.acc)] + list(np.asarray(cells.acc))
   if len(labels) != len(classes) - 1:
     raise ValueError(f"got {len(labels)} labels for G={len(classes) - 1} cells")
-  constant = np.stack([analysis.constant_domains(c, last) for c in classes], axis=1)  # [S, 1+G, D]
+  # [S, 1+G, D] each
+  constant = np.stack([analysis.constant_domains(c, last) for c in classes], axis=1)
+  oscillating = np.stack([analysis.oscillating_domains(a, last) for a in acc], axis=1)
   seeds = range(constant.shape[0]) if seeds is None else seeds
   names = np.asarray([str(d) for d in domains])
-  return [f"seed {seed}, {label}: constant prediction on {', '.join(names[flags])} "
-          f"through the last {last} rounds"
-          for seed, per_run in zip(seeds, constant)
-          for label, flags in zip([base_label, *labels], per_run) if flags.any()]
+  lines = []
+  for s, seed in enumerate(seeds):
+    for g, label in enumerate([base_label, *labels]):
+      parts = [f"{what} on {', '.join(names[flags])}" for what, flags in (
+          ("constant prediction", constant[s, g]),
+          (f"accuracy swings by > {analysis.OSCILLATION_POINTS:g} points per round",
+           oscillating[s, g])) if flags.any()]
+      if parts:
+        lines.append(f"seed {seed}, {label}: {'; '.join(parts)} through the last {last} rounds")
+  return lines
 
 
 # --------------------------------------------------------------------------
@@ -627,6 +644,8 @@ class DeltaGrid(NamedTuple):
       (marked ``*``); never with one seed.
     constant: bool [R, B] some (seed, domain) of the cell ends at a
       constant prediction (marked ``c``).
+    oscillating: bool [R, B] some (seed, domain) of the cell oscillates
+      (``summarize``'s ``oscillating_domains``; marked ``o``).
     row_name: the rows' hyper-parameter, e.g. ``rho``; None with one.
     col_name: the columns' hyper-parameter, e.g. ``beta`` or ``tau``.
   """
@@ -636,6 +655,7 @@ class DeltaGrid(NamedTuple):
   present: np.ndarray
   significant: np.ndarray
   constant: np.ndarray
+  oscillating: np.ndarray
   row_name: str | None
   col_name: str
 
@@ -654,7 +674,7 @@ def _delta_grid(cells: Sequence[Row], names: Sequence[str]) -> DeltaGrid:
   col_values = values(col_name)
   shape = (max(row_values.size, 1), col_values.size)
   grid = DeltaGrid(row_values, col_values, np.full(shape, np.nan),
-                   *np.zeros((3, *shape), dtype=bool), row_name, col_name)
+                   *np.zeros((4, *shape), dtype=bool), row_name, col_name)
   for r in cells:
     i, j = _grid_index(grid, r)
     grid.delta[i, j] = float(r["delta_avg"])
@@ -662,6 +682,7 @@ def _delta_grid(cells: Sequence[Row], names: Sequence[str]) -> DeltaGrid:
     # A NaN half-width (one seed) compares False: no mark.
     grid.significant[i, j] = abs(float(r["delta_avg"])) > float(r["delta_avg_ci"])
     grid.constant[i, j] = r["constant_domains"] > 0
+    grid.oscillating[i, j] = r["oscillating_domains"] > 0
   return grid
 
 
@@ -736,7 +757,7 @@ def plot_heatmap(rows: Sequence[Row], path: str | os.PathLike,
       text, color = "NC", "black"
     else:
       text = (f"{delta[i, j]:+.2f}" + ("*" if grid.significant[i, j] else "")
-              + (" c" if grid.constant[i, j] else ""))
+              + (" c" if grid.constant[i, j] else "") + (" o" if grid.oscillating[i, j] else ""))
       # White text only where the fill is dark enough to need it.
       color = "white" if abs(delta[i, j]) > 0.6 * lim else "black"
     ax.text(j, i, text, ha="center", va="center", color=color, fontsize=9)
@@ -754,6 +775,9 @@ def plot_heatmap(rows: Sequence[Row], path: str | os.PathLike,
            else "* paired 95 % interval over seeds excludes 0"]
   if grid.constant.any():
     notes.append("c: constant prediction on some (seed, domain)")
+  if grid.oscillating.any():
+    notes.append(f"o: accuracy swings > {analysis.OSCILLATION_POINTS:g} points per round on some "
+                 "(seed, domain)")
   base_note = _constant_note(_base_row(rows, base_method))
   if base_note:
     notes.append(f"{base_label} {base_note}")

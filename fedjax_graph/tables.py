@@ -97,6 +97,9 @@ class TableRow(NamedTuple):
       method's own prediction), else None.
     constant: i64[D] number of seeds whose model predicts one class on that
       domain's test nodes through all of the final rounds.
+    oscillating: i64[D] number of seeds whose accuracy on that domain swings
+      by more than ``analysis.OSCILLATION_POINTS`` between consecutive final
+      rounds on average (two near-constant models taking turns).
     loss_slope: mean over seeds of the training loss's least-squares slope
       over the final rounds (loss per round; > 0: rising).
     status: ``ok``, or why the run did not converge (the numbers are then
@@ -109,6 +112,7 @@ class TableRow(NamedTuple):
   acc: Scores
   bacc: Scores
   constant: np.ndarray
+  oscillating: np.ndarray
   loss_slope: float
   status: str = "ok"
   argmax: Optional[Scores] = None
@@ -198,6 +202,7 @@ def make_row(result: RunResult, g: int, method: str, variant: str, last: int) ->
   constant = analysis.constant_domains(result.predicted_classes[:, g], last).sum(axis=0)
   if method == "majority":  # one class per domain by construction: no news to flag
     constant = np.zeros_like(constant)
+  oscillating = analysis.oscillating_domains(result.test_acc[:, g], last).sum(axis=0)
   # In the aggregator's own order (FedHEAL: tau, beta), whatever the saved order.
   aggregator = str(result.aggregators[g])
   order = list(aggregators.get(aggregator).hparams) if aggregator in aggregators.REGISTRY else []
@@ -206,7 +211,7 @@ def make_row(result: RunResult, g: int, method: str, variant: str, last: int) ->
                   if not np.isnan(result.hparams[name][g]))
   return TableRow(str(result.labels[g]), method, variant, hparams,
                   _scores(result.test_acc[:, g], last), _scores(result.test_bacc[:, g], last),
-                  constant, float(analysis.loss_slope(result.train_loss[:, g], last).mean()),
+                  constant, oscillating, float(analysis.loss_slope(result.train_loss[:, g], last).mean()),
                   status, None if result.argmax_acc is None else _scores(result.argmax_acc[:, g],
                                                                           last))
 
@@ -265,11 +270,18 @@ def _delta_text(delta: Optional[analysis.PairedDelta], j: int) -> str:
   return text
 
 
-def _constant_mark(row: TableRow, j: int) -> str:
-  """`` ᶜ2/3``: constant in 2 of 3 seeds on domain j (never on AVG)."""
-  if j >= len(row.constant) or not row.constant[j]:
-    return ""
-  return f" ᶜ{int(row.constant[j])}/{row.num_seeds}"
+MARKS = (("constant", "ᶜ", "c"), ("oscillating", "ᵒ", "o"))  # field, Markdown mark, LaTeX mark
+
+
+def _marks(row: TableRow, j: int, latex: bool = False) -> str:
+  """`` ᶜ2/3``: constant in 2 of 3 seeds on domain j; `` ᵒ1/3``: oscillating in 1 (never on AVG)."""
+  out = ""
+  for field, mark, latex_mark in MARKS:
+    counts = getattr(row, field)
+    if j < len(counts) and counts[j]:
+      k = f"{int(counts[j])}/{row.num_seeds}"
+      out += f"\\,\\textsuperscript{{{latex_mark}}}{k}" if latex else f" {mark}{k}"
+  return out
 
 
 SYMBOLS = {"rho": "ρ", "beta": "β", "tau": "τ"}
@@ -279,12 +291,12 @@ def _hparams(row: TableRow) -> str:
   return ", ".join(f"{SYMBOLS.get(name, name)}={value:g}" for name, value in row.hparams)
 
 
-def _constant_list(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
-  """``FedAvg: A 1/3, B 2/3; ...`` naming every (row, domain) constant in some seed."""
+def _flag_list(rows: Sequence[TableRow], domains: Sequence[str], field: str) -> str:
+  """``FedAvg: A 1/3, B 2/3; ...`` naming every (row, domain) flagged by ``field`` in some seed."""
   return "; ".join(
       f"{row.label}: " + ", ".join(f"{d} {int(k)}/{row.num_seeds}"
-                                   for d, k in zip(domains, row.constant) if k)
-      for row in rows if row.constant.any())
+                                   for d, k in zip(domains, getattr(row, field)) if k)
+      for row in rows if getattr(row, field).any())
 
 
 def _footnote(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
@@ -292,11 +304,17 @@ def _footnote(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
           "FedAvg's base row in Δ FedAvg: the mean over seeds of the paired per-seed "
           "differences ± the half-width of their 95 % t-interval; ▲/▼ only where that "
           "interval excludes 0; (1 seed): no interval, no arrow.")
-  constant = _constant_list(rows, domains)
+  constant = _flag_list(rows, domains, "constant")
   if constant:
     note += (" ᶜk/S: in k of S seeds the model predicts one class on that domain's test nodes "
              "in every final round, so its score there is a class share, not a learned model. "
              f"Constant: {constant}.")
+  oscillating = _flag_list(rows, domains, "oscillating")
+  if oscillating:
+    note += (f" ᵒk/S: in k of S seeds the accuracy on that domain changes by more than "
+             f"{analysis.OSCILLATION_POINTS:g} points from one final round to the next on "
+             "average (models taking turns), so its mean over those rounds is not a learned "
+             f"model's score either. Oscillating: {oscillating}.")
   return note
 
 
@@ -314,7 +332,7 @@ def _markdown_table(rows: Sequence[TableRow], domains: Sequence[str], metric: st
     values = []
     for j in range(len(domains) + 1):
       delta = _delta_text(scores.delta_base, j)
-      values.append(_pm(scores.mean[j], scores.std[j]) + _constant_mark(row, j)
+      values.append(_pm(scores.mean[j], scores.std[j]) + _marks(row, j)
                     + (f" {delta}" if delta else ""))
     lines.append("| " + " | ".join([row.label, _hparams(row), *values,
                                     _delta_text(scores.delta_fedavg, -1)]) + " |")
@@ -325,7 +343,7 @@ def to_markdown(rows: Sequence[TableRow], domains: Sequence[str], title: str = "
   """Two Markdown tables, accuracy then balanced accuracy, each with its footnote.
 
   A cell reads e.g. ``62.10±0.40 ᶜ1/3 ▲+1.20±0.80``: mean±std, the constant
-  mark, the paired change against the base method.
+  (ᶜ) or oscillating (ᵒ) mark, the paired change against the base method.
   """
   lines = [f"**{title}**", ""] if title else []
   note = _footnote(rows, domains)
@@ -344,7 +362,8 @@ def to_csv(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
   Per metric (accuracy, then balanced accuracy with ``bacc_`` after the
   domain): ``<d>_mean``, ``<d>_std``; ``<d>_delta_base`` and its interval
   half-width ``<d>_delta_base_ci``; ``delta_fedavg``, ``delta_fedavg_ci``
-  (AVG). Then ``<d>_constant`` (seeds constant), ``num_seeds`` and
+  (AVG). Then ``<d>_constant`` (seeds constant), ``<d>_oscillating`` (seeds
+  oscillating), ``num_seeds`` and
   ``train_loss_slope`` (loss per round). Where a row has ``argmax`` (a
   method predicting otherwise than by its classifier's argmax: FGGP), last
   ``<d>_argmax_mean`` and ``<d>_argmax_std`` (empty for the other rows).
@@ -356,7 +375,8 @@ def to_csv(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
     columns += ([f"{d}_{prefix}{stat}" for d in names for stat in ("mean", "std")]
                 + [f"{d}_{prefix}delta_base{ci}" for d in names for ci in ("", "_ci")]
                 + [f"{prefix}delta_fedavg", f"{prefix}delta_fedavg_ci"])
-  columns += [f"{d}_constant" for d in domains] + ["num_seeds", "train_loss_slope"]
+  columns += ([f"{d}_{field}" for field, _, _ in MARKS for d in domains]
+              + ["num_seeds", "train_loss_slope"])
   with_argmax = any(row.argmax is not None for row in rows)
   if with_argmax:
     columns += [f"{d}_argmax_{stat}" for d in names for stat in ("mean", "std")]
@@ -373,7 +393,8 @@ def to_csv(rows: Sequence[TableRow], domains: Sequence[str]) -> str:
         for j in entries:
           values += (["", ""] if delta is None
                      else [_number(delta.mean[j]), _number(delta.half_width[j])])
-    values += [int(k) for k in row.constant] + [row.num_seeds, _number(row.loss_slope, ".4e")]
+    values += ([int(k) for field, _, _ in MARKS for k in getattr(row, field)]
+               + [row.num_seeds, _number(row.loss_slope, ".4e")])
     if with_argmax:
       values += (["", ""] * len(names) if row.argmax is None else
                  [_number(v) for pair in zip(row.argmax.mean, row.argmax.std) for v in pair])
@@ -403,7 +424,9 @@ def _latex_delta(delta: Optional[analysis.PairedDelta], j: int) -> str:
 LATEX_NOTE = (r"Superscripts: change against the base method, last column against FedAvg: mean "
               r"of the paired per-seed differences $\pm$ half-width of the 95\,\% $t$-interval; "
               r"arrows only where it excludes 0. \textsuperscript{c}$k/S$: one class predicted "
-              r"on that domain through the final rounds in $k$ of $S$ seeds.")
+              r"on that domain through the final rounds in $k$ of $S$ seeds; "
+              rf"\textsuperscript{{o}}$k/S$: its accuracy there changes by more than "
+              rf"{analysis.OSCILLATION_POINTS:g} points per final round on average.")
 
 
 def _latex_table(rows: Sequence[TableRow], domains: Sequence[str], metric: str,
@@ -423,9 +446,7 @@ def _latex_table(rows: Sequence[TableRow], domains: Sequence[str], metric: str,
       delta = _latex_delta(scores.delta_base, j)
       cell = f"${scores.mean[j]:.2f}_{{\\pm {scores.std[j]:.2f}}}" + (f"^{{{delta}}}$"
                                                                        if delta else "$")
-      if _constant_mark(row, j):
-        cell += f"\\,\\textsuperscript{{c}}{int(row.constant[j])}/{row.num_seeds}"
-      cells.append(cell)
+      cells.append(cell + _marks(row, j, latex=True))
     delta = _latex_delta(scores.delta_fedavg, -1)
     cells.append(f"${delta}$" if delta else "")
     lines.append(f"{label} & " + " & ".join(cells) + r" \\")

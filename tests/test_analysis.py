@@ -82,6 +82,21 @@ def test_constant_domains_needs_one_class_in_every_final_round():
                                 [[False, False], [True, False]])
 
 
+def test_oscillating_domains_is_the_mean_round_to_round_swing():
+  acc = np.array([[[0.39, 0.60], [0.61, 0.60], [0.39, 0.61], [0.61, 0.62]],   # A: swings of 22 points
+                  [[0.10, 0.50], [0.50, 0.55], [0.55, 0.61], [0.52, 0.50]]])  # B, seed 1: 6, 11 points
+  # seed 1, A: |0.05| and |-0.03| in the last 3 rounds = 4 points; B: (6 + 11) / 2 = 8.5 points
+  np.testing.assert_array_equal(analysis.oscillating_domains(acc, last=3),
+                                [[True, False], [False, False]])
+  np.testing.assert_array_equal(analysis.oscillating_domains(acc, last=3, threshold=8.0),
+                                [[True, False], [False, True]])
+  # seed 1, A over all 4 rounds: (40 + 5 + 3) / 3 = 16 points
+  assert analysis.oscillating_domains(acc, last=4)[1, 0]
+  assert not analysis.oscillating_domains(acc, last=1).any()  # one round has no swing
+  acc[0, -1, 0] = np.nan
+  assert not analysis.oscillating_domains(acc, last=3)[0, 0]
+
+
 def test_loss_slope_per_seed_and_non_finite_windows():
   loss = np.array([[9.0, 3.0, 2.0, 1.0],    # last 3: falls 1 per round
                    [0.0, 1.0, 1.0, 4.0],    # last 3: (-1 * 1 + 0 * 1 + 1 * 4) / 2 = 1.5

@@ -29,7 +29,7 @@ def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, caps
       f"{d}_{metric}{s}" for metric in ("", "bacc_", "f1_") for d in domains + ["avg"]
       for s in ("mean", "std")] + [
       "std_over", "delta_avg", "delta_avg_ci", "delta_bacc", "constant_domains",
-      "train_loss_slope", "skipped_updates"]
+      "oscillating_domains", "train_loss_slope", "skipped_updates"]
   assert reader.fieldnames == expected_columns
   assert [r["method"] for r in rows] == ["fedavg"] + ["fedavg+fedia"] * 4
   assert rows[0]["rho"] == rows[0]["beta"] == ""

@@ -76,7 +76,7 @@ def test_columns_in_exact_order(rows_one_seed):
   stats = lambda metric: [f"{d}{metric}_{s}" for d in DOMAINS + ["avg"] for s in ("mean", "std")]
   expected = (["method", "rho", "beta"] + stats("") + stats("_bacc") + stats("_f1")
               + ["std_over", "delta_avg", "delta_avg_ci", "delta_bacc", "constant_domains",
-                 "train_loss_slope", "skipped_updates"])
+                 "oscillating_domains", "train_loss_slope", "skipped_updates"])
   assert expected[3:9] == ["cora_mean", "cora_std", "dblp_mean", "dblp_std", "avg_mean",
                            "avg_std"]
   assert expected[9:11] == ["cora_bacc_mean", "cora_bacc_std"]
@@ -111,7 +111,7 @@ def test_new_columns_three_paired_seeds_by_hand():
       "cora_f1_mean": 30.0, "cora_f1_std": 0.0, "dblp_f1_mean": 30.0, "dblp_f1_std": 0.0,
       "avg_f1_mean": 30.0, "avg_f1_std": 0.0, "std_over": "seeds",
       "delta_avg": 2.0, "delta_avg_ci": 4.302653 / math.sqrt(3),  # sd of 1, 2, 3 is 1
-      "delta_bacc": 5.0, "constant_domains": 1,
+      "delta_bacc": 5.0, "constant_domains": 1, "oscillating_domains": 0,
       "train_loss_slope": (-0.5 - 0.3 + 0.3) / 3, "skipped_updates": 4}
   assert list(rows[1]) == list(expected)
   for key, value in expected.items():
@@ -124,6 +124,13 @@ def test_new_columns_three_paired_seeds_by_hand():
   base = rows[0]
   assert (base["delta_avg"], base["delta_avg_ci"], base["delta_bacc"]) == (0.0, "", 0.0)
   assert (base["constant_domains"], base["train_loss_slope"]) == (0, 0.0)
+  # Seed 0's dblp accuracy jumps 12 points from one round to the next: oscillating (> 10).
+  swinging = acc.copy()
+  swinging[0, 1, 1] = 0.62
+  swing = lambda last: report.summarize(
+      fedavg, report.Runs(*(x[None] for x in cell._replace(acc=swinging))),
+      {"rho": [0.3], "beta": [0.5]}, DOMAINS, last=last)[1]["oscillating_domains"]
+  assert (swing(2), swing(1)) == (1, 0)  # one final round has no swing
 
 
 def test_single_seed_means_std_over_rounds_and_delta(rows_one_seed):
@@ -225,7 +232,7 @@ def test_shape_and_domain_mismatch_raise(kwargs, match):
     report.summarize(**args)
 
 
-def test_constant_warnings_name_seed_run_and_domains():
+def test_degenerate_warnings_name_seed_run_and_domains():
   fedavg_classes = np.full((2, 4, 2), 2)
   fedavg_classes[1, 2:, 0] = 1  # seed 8 of FedAvg: cora constant in the last 2 rounds
   fedia_classes = np.full((2, 2, 4, 2), 2)
@@ -233,20 +240,27 @@ def test_constant_warnings_name_seed_run_and_domains():
   fedia_classes[0, 1, 3, 1] = 1  # constant in one final round only: not reported
   acc = np.full((2, 4, 2), 0.5)
   labels = [f"FedIA {report.format_hparams({'rho': 0.5, 'beta': b})}" for b in (1.0, 2.0)]
-  lines = report.constant_warnings(_runs(acc, fedavg_classes),
-                                   _runs(np.stack([acc, acc]), fedia_classes),
-                                   labels, DOMAINS, last=2, seeds=[7, 8])
+  lines = report.degenerate_warnings(_runs(acc, fedavg_classes),
+                                     _runs(np.stack([acc, acc]), fedia_classes),
+                                     labels, DOMAINS, last=2, seeds=[7, 8])
   assert lines == [
       "seed 7, FedIA ρ=0.5, β=2: constant prediction on cora, dblp through the last 2 rounds",
       "seed 8, FedAvg: constant prediction on cora through the last 2 rounds"]
-  assert report.constant_warnings(_runs(acc, fedavg_classes), _runs(np.stack([acc, acc])),
-                                  ["a", "b"], DOMAINS, last=2, seeds=[7, 8],
-                                  base_label="FedProx") == [
+  assert report.degenerate_warnings(_runs(acc, fedavg_classes), _runs(np.stack([acc, acc])),
+                                    ["a", "b"], DOMAINS, last=2, seeds=[7, 8],
+                                    base_label="FedProx") == [
       "seed 8, FedProx: constant prediction on cora through the last 2 rounds"]
-  assert report.constant_warnings(_runs(acc), _runs(np.stack([acc, acc])), labels,
-                                  DOMAINS, last=2) == []
+  assert report.degenerate_warnings(_runs(acc), _runs(np.stack([acc, acc])), labels,
+                                    DOMAINS, last=2) == []
+  swinging = acc.copy()
+  swinging[0, 1:, 1] = [0.3, 0.7, 0.3]  # seed 7, dblp: 40-point swings in the last 2 rounds
+  assert report.degenerate_warnings(_runs(acc, fedavg_classes), _runs(np.stack([acc, swinging])),
+                                    labels, DOMAINS, last=2, seeds=[7, 8]) == [
+      "seed 7, FedIA ρ=0.5, β=2: accuracy swings by > 10 points per round on dblp through the "
+      "last 2 rounds",
+      "seed 8, FedAvg: constant prediction on cora through the last 2 rounds"]
   with pytest.raises(ValueError, match="got 1 labels for G=2 cells"):
-    report.constant_warnings(_runs(acc), _runs(np.stack([acc, acc])), ["a"], DOMAINS, last=2)
+    report.degenerate_warnings(_runs(acc), _runs(np.stack([acc, acc])), ["a"], DOMAINS, last=2)
 
 
 # ----------------------------------------------------------------- selection
@@ -335,16 +349,18 @@ def test_fedia_csv_is_unchanged_byte_for_byte(tmp_path, rows_one_seed):
   stats = lambda metric: ",".join(f"{d}{metric}_{s}" for d in DOMAINS + ["avg"]
                                   for s in ("mean", "std"))
   header = (f"method,rho,beta,{stats('')},{stats('_bacc')},{stats('_f1')},std_over,delta_avg,"
-            "delta_avg_ci,delta_bacc,constant_domains,train_loss_slope,skipped_updates")
-  tail = ",rounds,{0},{1},{0},0,0.0000e+00,0"
+            "delta_avg_ci,delta_bacc,constant_domains,oscillating_domains,train_loss_slope,"
+            "skipped_updates")
+  # A std of 10 over the two final rounds is a 20-point swing: that domain oscillates.
+  tail = ",rounds,{0},{1},{0},0,{2},0.0000e+00,0"
   expected = [
       header,
       "fedavg,,," + "60.0000,10.0000,70.0000,10.0000,65.0000,10.0000," * 2
-      + "60.0000,10.0000,70.0000,10.0000,65.0000,10.0000" + tail.format("0.0000", ""),
+      + "60.0000,10.0000,70.0000,10.0000,65.0000,10.0000" + tail.format("0.0000", "", 2),
       "fedavg+fedia,0.5,1.0," + "70.0000,10.0000,70.0000,0.0000,70.0000,5.0000," * 2
-      + "70.0000,10.0000,70.0000,0.0000,70.0000,5.0000" + tail.format("5.0000", "nan"),
+      + "70.0000,10.0000,70.0000,0.0000,70.0000,5.0000" + tail.format("5.0000", "nan", 1),
       "fedavg+fedia,0.5,2.0," + "40.0000,0.0000,50.0000,0.0000,45.0000,0.0000," * 2
-      + "40.0000,0.0000,50.0000,0.0000,45.0000,0.0000" + tail.format("-20.0000", "nan")]
+      + "40.0000,0.0000,50.0000,0.0000,45.0000,0.0000" + tail.format("-20.0000", "nan", 0)]
   report.write_summary_csv(rows_one_seed, tmp_path / "summary.csv")
   assert (tmp_path / "summary.csv").read_bytes() == "".join(
       f"{line}\r\n" for line in expected).encode()

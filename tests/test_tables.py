@@ -136,6 +136,24 @@ def test_a_domain_constant_in_some_seeds_is_flagged_while_the_row_stays_ok():
       [base, plus], DOMAINS)
 
 
+def test_a_domain_whose_accuracy_takes_turns_is_flagged_oscillating():
+  acc = np.full((2, 2, 3, 2), 0.6)
+  acc[0, 0, :, 0] = [0.4, 0.6, 0.4]  # +FedIA, seed 0, A: 20-point swings, 2 classes predicted
+  acc[1, 0, :, 0] = [0.6, 0.55, 0.6]  # seed 1: 5-point swings, below the threshold
+  # A: seed means 46.67 and 58.33: 52.50 ± 5.83
+  base, plus = _pair(_result(acc), last=3)
+  assert plus.status == "ok" and list(plus.constant) == [0, 0]
+  assert list(plus.oscillating) == [1, 0] and list(base.oscillating) == [0, 0]
+  acc_md, _ = _tables(tables.to_markdown([base, plus], DOMAINS))
+  assert "| FedAvg+FedIA | ρ=0.3, β=0.7 | 52.50±5.83 ᵒ1/2 " in acc_md
+  assert "ᵒk/S: in k of S seeds" in acc_md and "Oscillating: FedAvg+FedIA: A 1/2." in acc_md
+  assert "ᶜk/S" not in acc_md
+  parsed = list(csv.DictReader(io.StringIO(tables.to_csv([base, plus], DOMAINS))))
+  assert (parsed[1]["A_oscillating"], parsed[1]["B_oscillating"], parsed[0]["A_oscillating"]) == (
+      "1", "0", "0")
+  assert r"\,\textsuperscript{o}1/2 & " in tables.to_latex([base, plus], DOMAINS)
+
+
 def test_reference_rows_get_delta_fedavg_only_and_fedavg_is_found_by_key():
   fedavg_run = _result(TWO_SEEDS)
   majority = _result(np.full((2, 1, 1, 2), 0.5), fedia=(False,), momentum=(False,), rho=(1.0,),
