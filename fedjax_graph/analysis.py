@@ -162,7 +162,7 @@ OSCILLATION_POINTS = 10.0
 
 def oscillating_domains(test_acc: np.ndarray, last: int,
                         threshold: float = OSCILLATION_POINTS) -> np.ndarray:
-  """bool[S, D]: the domain's accuracy swings between consecutive final rounds by > ``threshold`` points on average.
+  """bool[S, D]: mean |change| of the domain's accuracy between final rounds > ``threshold`` points.
 
   A model that alternates between two near-constant predictions (e.g. one
   class in even rounds, the other in odd rounds) averages over the final

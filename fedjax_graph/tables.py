@@ -203,6 +203,7 @@ def make_row(result: RunResult, g: int, method: str, variant: str, last: int) ->
   if method == "majority":  # one class per domain by construction: no news to flag
     constant = np.zeros_like(constant)
   oscillating = analysis.oscillating_domains(result.test_acc[:, g], last).sum(axis=0)
+  loss_slope = float(analysis.loss_slope(result.train_loss[:, g], last).mean())
   # In the aggregator's own order (FedHEAL: tau, beta), whatever the saved order.
   aggregator = str(result.aggregators[g])
   order = list(aggregators.get(aggregator).hparams) if aggregator in aggregators.REGISTRY else []
@@ -211,7 +212,7 @@ def make_row(result: RunResult, g: int, method: str, variant: str, last: int) ->
                   if not np.isnan(result.hparams[name][g]))
   return TableRow(str(result.labels[g]), method, variant, hparams,
                   _scores(result.test_acc[:, g], last), _scores(result.test_bacc[:, g], last),
-                  constant, oscillating, float(analysis.loss_slope(result.train_loss[:, g], last).mean()),
+                  constant, oscillating, loss_slope,
                   status, None if result.argmax_acc is None else _scores(result.argmax_acc[:, g],
                                                                           last))
 
@@ -274,7 +275,7 @@ MARKS = (("constant", "ᶜ", "c"), ("oscillating", "ᵒ", "o"))  # field, Markdo
 
 
 def _marks(row: TableRow, j: int, latex: bool = False) -> str:
-  """`` ᶜ2/3``: constant in 2 of 3 seeds on domain j; `` ᵒ1/3``: oscillating in 1 (never on AVG)."""
+  """`` ᶜ2/3``: constant in 2 of 3 seeds on domain j; `` ᵒ1/3``: oscillating in 1 (not on AVG)."""
   out = ""
   for field, mark, latex_mark in MARKS:
     counts = getattr(row, field)
