@@ -9,7 +9,8 @@ next to its "+FedIA" cell. (rho, beta) come from configs/methods/defaults.yaml
 (the paper's Table 7 for Twitch, 0.5/0.5 otherwise) or, with --select val,
 from the best validation AVG over the 5x5 grid. Writes table.md, table.csv,
 table.tex, table.png, config.json and runs/<method>.npz into --out. An
-interrupted table continues with --resume DIR.
+interrupted table continues with --resume DIR; --rows-so-far DIR reads the
+methods it has finished (while it runs, too) into DIR/partial.md and .csv.
 """
 
 import pathlib
@@ -18,7 +19,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from fedjax_graph import cli, methods, references  # noqa: E402
-from fedjax_graph.comparison import AGGREGATORS, SELECTIONS, resume_table, run_table  # noqa: E402
+from fedjax_graph.comparison import (AGGREGATORS, SELECTIONS, finished_rows,  # noqa: E402
+                                     resume_table, run_table)
 from fedjax_graph.rundir import default_out_dir  # noqa: E402
 
 
@@ -41,9 +43,20 @@ def main(argv=None):
                            "0.1,...,0.9, in the method's one sweep) (default: %(default)s)")
   cli.add_method_config_flag(parser, "each method's hyper-parameters, FedIA's (rho, beta) "
                                      "and the other aggregators'")
+  parser.add_argument("--rows-so-far", type=pathlib.Path, default=None, metavar="DIR",
+                      help="print the rows of the methods finished so far in the table run in "
+                           "DIR (running or interrupted) and write them to DIR/partial.md and "
+                           "partial.csv; no data is read and nothing trains (no other flag "
+                           "applies)")
   args = cli.parse_args(parser, argv)
+  if args.rows_so_far is not None:
+    extra = [f for f in cli.given_flags(parser, argv) if f != "--rows-so-far"]
+    if extra:
+      parser.error(f"{', '.join(extra)}: not applicable to --rows-so-far, which only reads DIR")
 
   def run():
+    if args.rows_so_far is not None:
+      return finished_rows(args.rows_so_far)
     if args.resume:
       return resume_table(args.resume, **cli.resume_kwargs(args))
     config = cli.config_from_args(parser, args)

@@ -38,6 +38,7 @@ SELECTIONS = ("fixed", "val")
 AGGREGATORS = tuple(name for name in aggregators_lib.REGISTRY if name != "fedavg")
 RUNS = "runs"
 FINISHED = "table.md"
+PARTIAL = "partial"  # finished_rows' tables, beside an unfinished run
 
 
 def aggregator_setting(defaults: Mapping, dataset: str, setting: str, method: str,
@@ -118,6 +119,16 @@ def own_backbones(names: Sequence[str], config: Config, defaults: Mapping) -> di
     if recipe.get("backbone", config.backbone) != config.backbone:
       out[name] = recipe["backbone"]
   return out
+
+
+def _rows_by_backbone(methods: Sequence[str], aggregators: Sequence[str], config: Config,
+                      defaults: Mapping) -> dict[str, list[str]]:
+  """``{backbone: row labels}`` of the rows not on the config's backbone (for the title)."""
+  own = {}
+  for name, backbone in own_backbones(methods, config, defaults).items():
+    own.setdefault(backbone, []).extend(
+        [row_label(name)] + [row_label(name, a) for a in aggregators])
+  return own
 
 
 def method_cells(method: str, aggregators: Sequence[str], settings: Mapping[str, Mapping],
@@ -276,6 +287,20 @@ def _prepare(config: Config, seeds, controls: RunControls, domain_graphs, kind: 
   return out_dir, domain_graphs, meta
 
 
+def method_rows(result: tables.RunResult, name: str, aggregators: Sequence[str], select: str,
+                last: int) -> list[tables.TableRow]:
+  """A method's rows from its run: its own (``base``), then one per aggregator (``select``'s cell).
+
+  The paired deltas are not filled (``tables.add_deltas`` over the whole table).
+  """
+  rows = [tables.make_row(result, list(result.labels).index(row_label(name)), name, "base", last)]
+  for aggregator in aggregators:
+    row = tables.make_row(result, tables.select_cell(result, aggregator, select, last), name,
+                          f"+{aggregator}", last)
+    rows.append(row._replace(label=row_label(name, aggregator)))
+  return rows
+
+
 def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int], rounds: int,
               last: int, select: str = "fixed", aggregators: Sequence[str] = ("fedia",),
               defaults: Optional[Mapping] = None, controls: RunControls = RunControls(),
@@ -323,11 +348,8 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
 
   methods = base_methods(method_names)
   # Rows of a method on its own backbone (FedSPA's SFPD) say so in the title.
-  own = {}
-  for name, backbone in own_backbones(methods, config, defaults).items():
-    own.setdefault(backbone, []).extend(
-        [row_label(name)] + [row_label(name, a) for a in aggregators])
-  title = _title(config, rounds, seeds, last, own)
+  title = _title(config, rounds, seeds, last, _rows_by_backbone(methods, aggregators, config,
+                                                                 defaults))
   hparams = {m: dict(defaults["hparams"].get(m, {})) for m in methods}
   settings = {m: {a: aggregator_setting(defaults, config.dataset, config.setting, m, a)
                   for a in aggregators} for m in methods}
@@ -350,18 +372,16 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
     cells = method_cells(name, aggregators, settings[name], select)
     result = run_cells(config, federation, cells, name, name, hparams[name], rounds, out_dir,
                        setup, controls, record, last)
-    display = row_label(name)
-    rows.append(tables.make_row(result, cells.index(display), name, "base", last))
-    for aggregator in aggregators:
+    own_rows = method_rows(result, name, aggregators, select, last)
+    rows += own_rows
+    for aggregator, row in zip(aggregators, own_rows[1:]):
       g = tables.select_cell(result, aggregator, select, last)
-      row = tables.make_row(result, g, name, f"+{aggregator}", last)
-      rows.append(row._replace(label=row_label(name, aggregator)))
       chosen.setdefault(name, {})[aggregator] = row.hparam_dict
       chosen_val.setdefault(name, {})[aggregator] = tables.validation_avg(result, g, last)
     seconds[name] = float(result.seconds)
     if select == "val" and "fedia" in aggregators:
       tables.plot_grid_heatmap(result, federation.domains, last, out_dir / f"heatmap-{name}.png",
-                               title, display,
+                               title, row_label(name),
                                reported=tables.select_cell(result, "fedia", select, last))
   rows = tables.add_deltas(rows)
   domains = list(federation.domains)
@@ -399,6 +419,46 @@ def resume_table(out_dir: pathlib.Path, controls: RunControls = RunControls(),
   return run_table(config, record["methods"], record["seeds"], record["rounds"], record["last"],
                    record["select"], record["aggregators"], defaults,
                    resumed(controls, record, out_dir, nonfinite), domain_graphs)
+
+
+def finished_rows(out_dir: pathlib.Path) -> pathlib.Path:
+  """Writes ``partial.md``/``.csv``: the rows of the methods finished so far in a table run.
+
+  Reads only ``config.json`` and ``runs/*.npz`` (no data, no training), so an
+  unfinished table can be read while it runs; the methods not finished yet
+  are named in the title, and the rows are paired as in the final table
+  (no change against FedAvg before FedAvg has finished).
+
+  Raises:
+    ValueError: if ``out_dir`` holds no table run or no finished method yet.
+  """
+  out_dir = pathlib.Path(out_dir)
+  record = read_record(out_dir, "methods")
+  last = record["last"]
+  rows, missing = [], []
+  for name in record["methods"]:
+    path = _run_path(out_dir, name)
+    if not path.exists():
+      missing.append(name)
+    elif name in references.REFERENCES:
+      rows.append(tables.make_row(load_run(path), 0, name, "reference", last))
+    else:
+      rows += method_rows(load_run(path), name, record["aggregators"], record["select"], last)
+  if not rows:
+    raise ValueError(f"{out_dir}: no method has finished yet (runs/ holds none of "
+                     f"{record['methods']})")
+  finished = [n for n in record["methods"] if n not in missing]
+  config = Config(**record["config"])
+  own = _rows_by_backbone(base_methods(finished), record["aggregators"], config,
+                          {"hparams": record["hparams"]})
+  title = (_title(config, record["rounds"], record["seeds"], last, own)
+           + f", hyper-parameters {record['select']}"
+           + (f"; not finished: {', '.join(missing)}" if missing else ""))
+  rows = tables.add_deltas(rows)
+  domains = [str(d) for d in np.load(_run_path(out_dir, finished[0]))["domains"]]
+  tables.write_tables(rows, domains, out_dir / PARTIAL, title)
+  print(tables.to_markdown(rows, domains, title))
+  return out_dir / f"{PARTIAL}.md"
 
 
 ABLATION = (("FedAvg", cells_lib.BASE), ("FedAvg+IM", "fedia_im"), ("FedAvg+IM+CAM", "fedia"))

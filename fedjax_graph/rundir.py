@@ -129,7 +129,7 @@ def read_record(out_dir: pathlib.Path, required: str) -> dict:
   try:
     record = json.loads((out_dir / "config.json").read_text())
   except FileNotFoundError:
-    raise ValueError(f"{out_dir} holds no config.json: no run to resume")
+    raise ValueError(f"{out_dir} holds no config.json (no run of these tools)")
   if required not in record:
     raise ValueError(f"{out_dir} holds another kind of run (its config.json has no {required!r})")
   return record

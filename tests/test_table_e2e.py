@@ -64,6 +64,16 @@ def test_table_usage_errors(capsys):
       "table", ["--dataset", "wikinet", "--methods", "fedavg,fedavg"], capsys)
   assert "participation = 1.5; must be in (0, 1]" in usage_error(
       "table", ["--dataset", "wikinet", "--participation", "1.5"], capsys)
+  assert "--seeds: not applicable to --rows-so-far" in usage_error(
+      "table", ["--rows-so-far", "x", "--seeds", "0"], capsys)
+  assert "holds no config.json" in usage_error("table", ["--rows-so-far", "/nonexistent"], capsys)
+
+
+def test_rows_so_far_needs_a_finished_method(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps({"methods": ["fedavg"], "config": {},
+                                                    "last": 1}))
+  with pytest.raises(ValueError, match="no method has finished yet"):
+    comparison.finished_rows(tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +99,12 @@ def test_table_resume_equals_uninterrupted(tiny_config, tiny_wikinet, tmp_path, 
   assert (tmp_path / "cut" / "checkpoint-scaffold.msgpack").exists()
   with pytest.raises(ValueError, match="unfinished run; continue it with --resume"):
     run(tmp_path / "cut")
+  # Its finished rows read without training: FedAvg's two, as the whole table has them.
+  script_main("table")(["--rows-so-far", str(tmp_path / "cut")])
+  partial = (tmp_path / "cut" / "partial.csv").read_text().splitlines()
+  assert len(partial) == 3 and partial == (whole / "table.csv").read_text().splitlines()[:3]
+  assert "not finished: scaffold" in (tmp_path / "cut" / "partial.md").read_text()
+  assert not (tmp_path / "cut" / "table.md").exists()  # still an unfinished run
   comparison.resume_table(tmp_path / "cut", controls, domain_graphs=tiny_wikinet)
   # The first call's plans are kept: fedavg's, and scaffold's that the resumed call replaced.
   record = json.loads((tmp_path / "cut" / "config.json").read_text())
