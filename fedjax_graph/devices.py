@@ -337,9 +337,10 @@ def estimate(sim: Simulation, federation: Federation, batch: CellBatch, config,
     graph = (tree_bytes(one_seed(shard)) // clients - 4 * nodes * features) if with_graph else 0
     gathered += clients * (4 * rows * features + graph)
     # A propagating backbone also holds each layer's messages, one per edge,
-    # unless it propagates with the bucket's operator (a matmul or a CSR product
-    # makes no per-edge copy; SFPD and FGSSL's or FGGP's rebuilt graphs still do).
-    messages = with_graph and (shard.operator is None or config.backbone == "sfpd"
+    # unless it propagates with CSR or dense products (the bucket's operator, or
+    # SFPD's typed indicators: no per-edge copy); FGSSL's and FGGP's rebuilt
+    # graphs still do.
+    messages = with_graph and ((shard.operator is None and config.backbone != "sfpd")
                                or sim.method.needs_graph)
     per_client = rows * hidden + (edges * hidden if messages else 0)
     training = max(training, 4 * clients * (rows * features + ACTIVATION_COPIES

@@ -290,6 +290,16 @@ def pad_operator(operator: Optional[Operator], n_node: int, n_edge: int
                   indptr=indptr)
 
 
+def csr_product(h: Array, graph: CSRGraph) -> Array:
+  """``graph @ h``, f32[N, W], for a SYMMETRIC matrix in CSR form, differentiable in ``h``.
+
+  The gradient is the same product (A^T = A), none flows to the matrix's
+  entries. Batched (vmap) graphs run as one block-diagonal product, a batch
+  of ``h`` over one graph as one product of the side-by-side features.
+  """
+  return _symmetric_csr_matmul(h, *graph)
+
+
 def propagate(h: Array, graph: Graph) -> Array:
   """One GCN propagation D^-1/2 (A+I) D^-1/2 h on a padded graph.
 
@@ -312,7 +322,7 @@ def propagate(h: Array, graph: Graph) -> Array:
   if isinstance(operator, DenseAdjacency):
     return operator.matrix @ h
   if isinstance(operator, CSRGraph):
-    return _symmetric_csr_matmul(h, *operator)
+    return csr_product(h, operator)
   messages = h[graph.senders] * graph.edge_weight[:, None]
   return jax.ops.segment_sum(messages, graph.receivers, num_segments=h.shape[0]) + (
       graph.self_weight[:, None] * h)
