@@ -139,6 +139,39 @@ def _symmetric_bwd(graph, cotangent):
 _symmetric_csr_matmul.defvjp(_symmetric_fwd, _symmetric_bwd)
 
 
+class LearnedCSR(NamedTuple):
+  """A symmetric matrix in CSR form whose entries are differentiable: a learned graph's operator.
+
+  As ``CSRGraph`` (``data`` f32[nnz], ``indices`` i32[nnz], ``indptr``
+  i32[N + 1]); ``propagate`` then returns gradients for ``data`` too
+  (FGGP's sampled second view, whose edge weights come from its augmentor).
+  """
+  data: Array
+  indices: Array
+  indptr: Array
+
+
+@jax.custom_vjp
+def _learned_csr_matmul(h, data, indices, indptr):
+  return _csr_matmul(h, data, indices, indptr)
+
+
+def _learned_fwd(h, data, indices, indptr):
+  return _csr_matmul(h, data, indices, indptr), (h, data, indices, indptr)
+
+
+def _learned_bwd(residuals, cotangent):
+  h, data, indices, indptr = residuals
+  rows = jnp.repeat(jnp.arange(indptr.shape[0] - 1, dtype=indices.dtype), jnp.diff(indptr),
+                    total_repeat_length=indices.shape[0])
+  # d<g, A h>/dA_rc = <g_r, h_c>: one dot per entry; A^T = A for the rest.
+  return (_csr_matmul(cotangent, data, indices, indptr),
+          jnp.sum(cotangent[rows] * h[indices], axis=-1), None, None)
+
+
+_learned_csr_matmul.defvjp(_learned_fwd, _learned_bwd)
+
+
 class DenseAdjacency(NamedTuple):
   """A client's normalised adjacency D^-1/2 (A+I) D^-1/2 as a dense block.
 
@@ -310,8 +343,9 @@ def propagate(h: Array, graph: Graph) -> Array:
       ``CSRGraph`` (not differentiable; for inference on a shared graph).
       A ``Shard`` with an ``operator`` propagates with it: a dense block, a
       matmul; a CSR matrix, a sparse product whose gradient in ``h`` is the
-      same product (the matrix is symmetric), none in the graph's weights;
-      without one, a gather over the edges and a segment-sum.
+      same product (the matrix is symmetric), none in the graph's weights
+      but for a ``LearnedCSR``; without one, a gather over the edges and a
+      segment-sum.
 
   Returns:
     f32[N, H]; zero on padding rows.
@@ -323,6 +357,8 @@ def propagate(h: Array, graph: Graph) -> Array:
     return operator.matrix @ h
   if isinstance(operator, CSRGraph):
     return csr_product(h, operator)
+  if isinstance(operator, LearnedCSR):
+    return _learned_csr_matmul(h, *operator)
   messages = h[graph.senders] * graph.edge_weight[:, None]
   return jax.ops.segment_sum(messages, graph.receivers, num_segments=h.shape[0]) + (
       graph.self_weight[:, None] * h)

@@ -161,6 +161,18 @@ def test_pair_graph_is_the_gcn_normalisation_and_the_sample_at_alpha_0_keeps_eve
       shard, candidates, sample_edges(jax.random.PRNGKey(2), s, candidates, 0.5, 1.0),
       jnp.append(REAL, False))) ** 2))(scores)
   assert np.all(np.isfinite(grad)) and np.abs(grad).max() > 0
+  # The CSR operator (graphs.LearnedCSR's VJP) against autodiff of the edge list itself.
+  h = jax.random.normal(jax.random.PRNGKey(3), (6, 3))
+  def loss(s, h, operator):
+    graph = fggp_lib.pair_graph(shard, candidates, sample_edges(
+        jax.random.PRNGKey(2), s, candidates, 0.5, 1.0), jnp.append(REAL, False))
+    if not operator:
+      graph = graph._replace(operator=None)
+    return jnp.sum(jnp.sin(graphs.propagate(h, graph)))
+  by_csr = jax.grad(loss, argnums=(0, 1))(scores, h, True)
+  by_edges = jax.grad(loss, argnums=(0, 1))(scores, h, False)
+  assert np.abs(by_edges[0]).max() > 0
+  jax.tree.map(lambda a, b: close(a, b, rtol=1e-5, atol=1e-6), by_csr, by_edges)
 
 
 def test_negative_pairs_avoid_candidates_self_and_padding():

@@ -120,7 +120,32 @@ def candidate_pairs(senders: Array, receivers: Array, nearest: Array, found: Arr
   return Candidates(u, v, (key < n * n) & first, key)
 
 
-def pair_graph(shard, pairs: Candidates, weight: Array, real: Array):
+class PairLayout(NamedTuple):
+  """Where the entries of ``pair_graph``'s matrix go in CSR form (fixed for a round's candidates).
+
+  The matrix's 2M + N entries are, in order, (v, u) and (u, v) of every
+  pair, then the diagonal; ``order`` i32[2M + N] sorts them by row.
+
+  Attributes:
+    order: i32[2M + N].  indices: i32[2M + N] their columns, sorted.
+    indptr: i32[N + 1] row pointers.
+  """
+  order: Array
+  indices: Array
+  indptr: Array
+
+
+def pair_layout(pairs: Candidates, num_nodes: int) -> PairLayout:
+  """The ``PairLayout`` of the candidates (a sort of 2M + N integers, once per round)."""
+  nodes = jnp.arange(num_nodes, dtype=jnp.int32)
+  rows = jnp.concatenate([pairs.v, pairs.u, nodes])
+  order = jnp.argsort(rows, stable=True)
+  indptr = jnp.searchsorted(rows[order], jnp.arange(num_nodes + 1), side="left")
+  return PairLayout(order, jnp.concatenate([pairs.u, pairs.v, nodes])[order],
+                    indptr.astype(jnp.int32))
+
+
+def pair_graph(shard, pairs: Candidates, weight: Array, real: Array, layout: PairLayout = None):
   """The shard with the GCN-normalised symmetric graph I + sum_e w_e (e_uv + e_vu) as its edges.
 
   Args:
@@ -129,11 +154,15 @@ def pair_graph(shard, pairs: Candidates, weight: Array, real: Array):
     weight: f32[M] each pair's weight (used on valid non-self pairs only);
       the result is differentiable in it.
     real: bool[N].
+    layout: ``pair_layout(pairs, N)`` (computed here when None).
 
   Returns:
     A ``Shard`` with 2M directed edges u -> v and v -> u of weight
     w / sqrt(d_u d_v), d = 1 + the weighted degree, and self weight 1/d (0
-    on padding rows): D^-1/2 (A + I) D^-1/2, as ``graphs.gcn_weights``.
+    on padding rows): D^-1/2 (A + I) D^-1/2, as ``graphs.gcn_weights``; its
+    ``operator`` is the same matrix as a ``graphs.LearnedCSR``, so
+    ``graphs.propagate`` runs a CSR product, differentiable in ``weight``
+    (a gather and segment-sum over the 2M edges is several times slower).
   """
   n = real.shape[0]
   w = jnp.where(pairs.valid & (pairs.u != pairs.v), weight, 0.0)
@@ -141,13 +170,13 @@ def pair_graph(shard, pairs: Candidates, weight: Array, real: Array):
             + jax.ops.segment_sum(w, pairs.v, num_segments=n))
   inv_sqrt = jax.lax.rsqrt(degree)
   edge = w * inv_sqrt[pairs.u] * inv_sqrt[pairs.v]
+  self_weight = jnp.where(real, 1.0 / degree, 0.0)
+  layout = pair_layout(pairs, n) if layout is None else layout
+  entries = jnp.concatenate([edge, edge, self_weight])[layout.order]
   return shard._replace(senders=jnp.concatenate([pairs.u, pairs.v]),
                         receivers=jnp.concatenate([pairs.v, pairs.u]),
-                        edge_weight=jnp.concatenate([edge, edge]),
-                        self_weight=jnp.where(real, 1.0 / degree, 0.0),
-                        # Propagated over its edges: the weights are learned (their
-                        # gradient flows through the gather, not a fixed operator).
-                        operator=None)
+                        edge_weight=jnp.concatenate([edge, edge]), self_weight=self_weight,
+                        operator=graphs.LearnedCSR(entries, layout.indices, layout.indptr))
 
 
 def _uniform_by_id(key: Array, ids: Array) -> Array:
@@ -287,8 +316,9 @@ def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float 
   S_uv = <h_u, h_v> on the candidate pairs only; the sampled graph
   (``sample_edges``: P, the relaxed-Bernoulli straight-through sample) over
   the candidates; view 2 = the backbone with GCN propagation over the
-  sampled graph in every layer (``pair_graph``: a segment_sum over the 2M
-  padded edges; the code propagates only its classifier layer over A'), CE2
+  sampled graph in every layer (``pair_graph``: a CSR product over the 2M
+  padded pair entries and the diagonal, its layout sorted once per round in
+  ``prepare``; the code propagates only its classifier layer over A'), CE2
   on it; L_pa between the two views' prototypes (``proto_align_loss``) and
   L_ga (``graph_loss``: positives = the candidates, negatives = ``negatives``
   random non-candidate partners per node, drawn each step). So
@@ -380,11 +410,12 @@ def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float 
     features, _ = full_pass(ctx.global_params, ctx, train=False)
     nearest, found = knn_indices(features, real, neighbours)
     pairs = candidate_pairs(ctx.graph.senders, ctx.graph.receivers, nearest, found, real)
-    view = pair_graph(ctx.graph, pairs, jnp.ones(pairs.u.shape, jnp.float32), real)
-    return pairs, graphs.propagate(graphs.propagate(ctx.graph.x, view), view)
+    layout = pair_layout(pairs, real.shape[0])
+    view = pair_graph(ctx.graph, pairs, jnp.ones(pairs.u.shape, jnp.float32), real, layout)
+    return pairs, layout, graphs.propagate(graphs.propagate(ctx.graph.x, view), view)
 
   def local_loss(params, step, ctx):
-    pairs, smoothed = ctx.prepared
+    pairs, layout, smoothed = ctx.prepared
     g, real = ctx.graph, real_nodes(ctx)
     view1_key, sample_key, negative_key, view2_key = jax.random.split(step.key, 4)
     hidden1, logits1 = full_pass(params, ctx, train=True, rngs={"dropout": view1_key})
@@ -395,7 +426,7 @@ def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float 
     score = lambda u, v: jnp.sum(h[u] * h[v], axis=-1)
     scores = score(pairs.u, pairs.v)
     sampled = pair_graph(g, pairs, sample_edges(sample_key, scores, pairs, alpha, temperature),
-                         real)
+                         real, layout)
     hidden2, logits2 = second_view.apply(params, g.x, sampled, train=True,
                                          rngs={"dropout": view2_key}, with_hidden=True,
                                          groups=g.node_domain, num_groups=ctx.num_groups)
