@@ -139,6 +139,54 @@ def _symmetric_bwd(graph, cotangent):
 _symmetric_csr_matmul.defvjp(_symmetric_fwd, _symmetric_bwd)
 
 
+# Edges per block of ``edge_dot``: the block's gathered rows stay in cache.
+EDGE_BLOCK = 2048
+
+
+def _edge_dot_forward(a, b, senders, receivers):
+  n_edge = senders.shape[0]
+  grow = (-n_edge) % EDGE_BLOCK
+  blocks = lambda idx: jnp.pad(jnp.asarray(idx), (0, grow)).reshape(-1, EDGE_BLOCK)
+  dots = jax.lax.map(lambda sr: jnp.sum(a[sr[0]] * b[sr[1]], axis=-1),
+                     (blocks(senders), blocks(receivers)))
+  return dots.reshape(-1)[:n_edge]
+
+
+def _by_row(rows, cols, values, num_rows):
+  """(data, indices, indptr) of the N x N matrix with ``values`` at (rows, cols)."""
+  rows, cols = jnp.asarray(rows), jnp.asarray(cols)
+  order = jnp.argsort(rows, stable=True)
+  indptr = jnp.searchsorted(rows[order], jnp.arange(num_rows + 1), side="left")
+  return values[order], cols[order].astype(jnp.int32), indptr.astype(jnp.int32)
+
+
+@jax.custom_vjp
+def edge_dot(a: Array, b: Array, senders: Array, receivers: Array) -> Array:
+  """f32[E] ``<a[senders_e], b[receivers_e]>`` for node rows a, b f32[N, H], without an [E, H] copy.
+
+  The edges run in blocks of ``EDGE_BLOCK`` (a gather of every edge's rows
+  at once writes E x H floats, 6-8x slower on CPU); the gradient is two CSR
+  products (g's entries sorted by sender, then by receiver), not a
+  scatter per edge. Indices must be in [0, N).
+  """
+  return _edge_dot_forward(a, b, senders, receivers)
+
+
+def _edge_dot_fwd(a, b, senders, receivers):
+  return _edge_dot_forward(a, b, senders, receivers), (a, b, senders, receivers)
+
+
+def _edge_dot_bwd(residuals, cotangent):
+  a, b, senders, receivers = residuals
+  n = a.shape[0]
+  d_a = _csr_matmul(b, *_by_row(senders, receivers, cotangent, n))
+  d_b = _csr_matmul(a, *_by_row(receivers, senders, cotangent, n))
+  return d_a, d_b, None, None
+
+
+edge_dot.defvjp(_edge_dot_fwd, _edge_dot_bwd)
+
+
 class LearnedCSR(NamedTuple):
   """A symmetric matrix in CSR form whose entries are differentiable: a learned graph's operator.
 
@@ -166,7 +214,7 @@ def _learned_bwd(residuals, cotangent):
                     total_repeat_length=indices.shape[0])
   # d<g, A h>/dA_rc = <g_r, h_c>: one dot per entry; A^T = A for the rest.
   return (_csr_matmul(cotangent, data, indices, indptr),
-          jnp.sum(cotangent[rows] * h[indices], axis=-1), None, None)
+          _edge_dot_forward(cotangent, h, rows, indices), None, None)
 
 
 _learned_csr_matmul.defvjp(_learned_fwd, _learned_bwd)

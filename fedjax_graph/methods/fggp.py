@@ -423,7 +423,7 @@ def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float 
         optax.softmax_cross_entropy_with_integer_labels(logits, g.y), g.train)
     aug = params["augmentor"]
     h = jax.nn.relu(smoothed @ aug["v1"] @ aug["v2"])
-    score = lambda u, v: jnp.sum(h[u] * h[v], axis=-1)
+    score = lambda u, v: graphs.edge_dot(h, h, u.reshape(-1), v.reshape(-1)).reshape(u.shape)
     scores = score(pairs.u, pairs.v)
     sampled = pair_graph(g, pairs, sample_edges(sample_key, scores, pairs, alpha, temperature),
                          real, layout)
