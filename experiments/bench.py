@@ -4,6 +4,7 @@
   python experiments/bench.py --dataset wikinet --setting default --rounds 2 --skip-loop
   python experiments/bench.py --skip-loop --skip-schedule --scaling --plot scaling.png
   python experiments/bench.py --backbones gcn,pmlp_gcn --propagations auto,dense,sparse --only-backbones
+  python experiments/bench.py --dataset wikinet --kernels
 
 Times the first ``run_chunk`` call (compile + run) and a second of the same
 shape (run only), then the same rounds with every client, cell and seed in a
@@ -29,6 +30,11 @@ are counted from the shapes (``training_flops``: the dense layers, forward
 and backward; XLA's own cost analysis counts a ``lax.scan`` body once, not
 per step) and set against this machine's matmul peak measured in the same run
 (``matmul_peak``: a large square f32 product, best of ``--repeats``).
+
+Edge kernels (``--kernels``, nothing else runs): the per-edge dot and the
+neighbour sum, each as a gather of every edge's rows against
+``graphs.edge_dot`` and ``graphs.csr_product``, on the bucket with the most
+edge slots (``kernel_ratios``), with their ratios.
 
 Scaling (``--scaling``): seconds per round, one compile per point and
 ``--scaling-rounds`` timed rounds, against the number of clients (Twitch DE
@@ -558,6 +564,47 @@ def backbone_ratios(config, domain_graphs, seeds, cells, rounds, backbones, prop
   return times
 
 
+def kernel_ratios(federation, width: int, models_side_by_side: int, repeats: int) -> None:
+  """The edge kernels on the bucket with the most edge slots: per-edge gathers vs the blocked and CSR forms.
+
+  Forward and backward of (1) the per-edge dot <z_u, z_v> (FGSSL's cosines,
+  FGGP's scores): all edges' rows gathered at once vs ``graphs.edge_dot``;
+  (2) a neighbour sum (SFPD's typed sums, FGGP's second view): gather and
+  segment-sum vs ``graphs.csr_product``; each over ``models_side_by_side``
+  models (vmap), width ``width``, best of ``repeats``, with the ratio.
+  """
+  b = int(np.argmax([shard.senders.shape[-1] for shard in federation.client_shards]))
+  shard = federation.client_shards[b]
+  senders, receivers = (jnp.asarray(np.asarray(leaf)[0, 0]) for leaf in (shard.senders,
+                                                                         shard.receivers))
+  n, e = shard.x.shape[-2], senders.shape[0]
+  order = jnp.argsort(receivers, stable=True)
+  csr = graphs.CSRGraph(jnp.ones((e,)), senders[order],
+                        jnp.searchsorted(receivers[order], jnp.arange(n + 1)).astype(jnp.int32))
+  z = jax.random.normal(jax.random.PRNGKey(0), (models_side_by_side, n, width))
+  weights = jax.random.normal(jax.random.PRNGKey(1), (e,))
+  # The graph is an argument (a constant would be folded at compile time, sorts included).
+  graph = (senders, receivers, order, csr)
+  per_edge = {
+      "per-edge dot, all rows gathered": lambda z, g: jnp.sum(z[g[0]] * z[g[1]], axis=-1),
+      "per-edge dot, graphs.edge_dot": lambda z, g: graphs.edge_dot(z, z, g[0], g[1])}
+  neighbour = {
+      "neighbour sum, gather + segment-sum": lambda z, g: jax.ops.segment_sum(
+          z[g[0][g[2]]], g[1][g[2]], num_segments=n),
+      "neighbour sum, graphs.csr_product": lambda z, g: graphs.csr_product(z, g[3])}
+  print(f"== edge kernels: bucket {b}, {n} rows, {e} edge slots, {models_side_by_side} models, "
+        f"width {width}, forward + backward (best of {repeats})")
+  for family, reduce in ((per_edge, lambda out: jnp.sum(jnp.sin(out) * weights)),
+                         (neighbour, lambda out: jnp.sum(jnp.sin(out)))):
+    seconds = {}
+    for name, fn in family.items():
+      step = jax.jit(jax.vmap(jax.grad(lambda z, g, fn=fn: reduce(fn(z, g))), in_axes=(0, None)))
+      seconds[name] = best_seconds(step, z, graph, repeats=repeats)[1]
+      print(f"  {name:38s} {seconds[name] * 1e3:9.1f} ms")
+    slow, fast = seconds.values()
+    print(f"  ratio: {slow / fast:.1f}x")
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -610,6 +657,10 @@ def main(argv=None):
                       "comparison (default: auto,sparse)")
   parser.add_argument("--only-backbones", action="store_true",
                       help="run only the backbone comparison")
+  parser.add_argument("--kernels", action="store_true",
+                      help="run only the edge-kernel comparison: per-edge gathers against "
+                           "graphs.edge_dot and graphs.csr_product on the bucket with the most "
+                           "edges (12 models side by side, width --set hidden)")
   raw_argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(raw_argv)
   if args.rounds < 1 or args.scaling_rounds < 1 or args.repeats < 1:
@@ -648,6 +699,10 @@ def main(argv=None):
           f"{federation.bucket_train_rows[b]} train rows, {shard.senders.shape[-1]} edge slots")
   print(f"  eval graph: {federation.eval_x.shape[0]} rows; cells G'={G} "
         f"({len(args.rho)} rho x {len(args.beta)} beta + FedAvg); seeds S={S} {args.seeds}")
+
+  if args.kernels:
+    kernel_ratios(federation, config.hidden, 12, args.repeats)
+    return
 
   if args.backbones:
     print(f"== backbones {args.backbones} x training propagations {args.propagations} "

@@ -193,6 +193,15 @@ def test_breakdown_shares_sum_to_one_and_flops_count(runs):
   assert bench.matmul_peak(size=128, repeats=1) > 0
 
 
+def test_kernel_ratios_print_both_families(runs, capsys):
+  _bench().kernel_ratios(runs["f32"][1], width=4, models_side_by_side=2, repeats=1)
+  printed = capsys.readouterr().out
+  for name in ("all rows gathered", "graphs.edge_dot", "gather + segment-sum",
+               "graphs.csr_product"):
+    assert name in printed
+  assert printed.count("ratio: ") == 2
+
+
 def test_scaling_rows_and_plot(runs, tiny_wikinet, tmp_path):
   bench = _bench()
   rows = bench.scaling_table(_config(), tiny_wikinet, domain="crocodile", clients=(3,),
