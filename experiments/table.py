@@ -10,7 +10,7 @@ next to its "+FedIA" cell. (rho, beta) come from configs/methods/defaults.yaml
 from the best validation AVG over the 5x5 grid. Writes table.md, table.csv,
 table.tex, table.png, config.json and runs/<method>.npz into --out. An
 interrupted table continues with --resume DIR; --rows-so-far DIR reads the
-methods it has finished (while it runs, too) into DIR/partial.md and .csv.
+methods it has finished (while it runs, too) into DIR/partial.md, .csv, .tex.
 """
 
 import pathlib
@@ -45,8 +45,8 @@ def main(argv=None):
                                      "and the other aggregators'")
   parser.add_argument("--rows-so-far", type=pathlib.Path, default=None, metavar="DIR",
                       help="print the rows of the methods finished so far in the table run in "
-                           "DIR (running or interrupted) and write them to DIR/partial.md and "
-                           "partial.csv; no data is read and nothing trains (no other flag "
+                           "DIR (running or interrupted) and write them to DIR/partial.md, .csv "
+                           "and .tex; no data is read and nothing trains (no other flag "
                            "applies)")
   args = cli.parse_args(parser, argv)
   if args.rows_so_far is not None:

@@ -247,7 +247,8 @@ def _remove_previous(out_dir: pathlib.Path, keys: Sequence[str]) -> None:
     keys = list(keys) + list(old.get("methods") or []) + list(old.get("ablation") or {})
   except ValueError:
     pass
-  remove_outputs(out_dir, [f"table.{ext}" for ext in ("md", "csv", "tex", "png")]
+  remove_outputs(out_dir, [f"{stem}.{ext}" for stem in ("table", PARTIAL)
+                          for ext in ("md", "csv", "tex", "png")]
                  + ["config.json"] + [f"checkpoint-{k}.msgpack" for k in keys]
                  + [f"{RUNS}/{k}.npz" for k in keys] + [f"heatmap-{k}.png" for k in keys])
 
@@ -391,6 +392,7 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
                                               "selected": chosen, "selected_val_avg": chosen_val,
                                               "seconds_per_method": seconds})
   tables.write_tables(rows, domains, out_dir / "table", title)
+  remove_outputs(out_dir, [f"{PARTIAL}.{ext}" for ext in ("md", "csv", "tex")])  # superseded
   print(tables.to_markdown(rows, domains, title))
   print(f"results in {out_dir}")
   return out_dir
@@ -422,12 +424,13 @@ def resume_table(out_dir: pathlib.Path, controls: RunControls = RunControls(),
 
 
 def finished_rows(out_dir: pathlib.Path) -> pathlib.Path:
-  """Writes ``partial.md``/``.csv``: the rows of the methods finished so far in a table run.
+  """Writes ``partial.md``/``.csv``/``.tex``: the rows of the methods finished so far in a table run.
 
   Reads only ``config.json`` and ``runs/*.npz`` (no data, no training), so an
   unfinished table can be read while it runs; the methods not finished yet
   are named in the title, and the rows are paired as in the final table
-  (no change against FedAvg before FedAvg has finished).
+  (no change against FedAvg before FedAvg has finished). The finished
+  table removes them (``run_table``), as does ``--overwrite``.
 
   Raises:
     ValueError: if ``out_dir`` holds no table run or no finished method yet.

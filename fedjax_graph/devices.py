@@ -338,8 +338,8 @@ def estimate(sim: Simulation, federation: Federation, batch: CellBatch, config,
     gathered += clients * (4 * rows * features + graph)
     # A propagating backbone also holds each layer's messages, one per edge,
     # unless it propagates with CSR or dense products (the bucket's operator, or
-    # SFPD's typed indicators: no per-edge copy); FGSSL's and FGGP's rebuilt
-    # graphs still do.
+    # SFPD's typed indicators: no per-edge copy); a method that needs the graph
+    # is counted with them (FGSSL's edge-list views; FGGP's, CSR now, overcounted).
     messages = with_graph and ((shard.operator is None and config.backbone != "sfpd")
                                or sim.method.needs_graph)
     per_client = rows * hidden + (edges * hidden if messages else 0)

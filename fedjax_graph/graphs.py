@@ -139,11 +139,64 @@ def _symmetric_bwd(graph, cotangent):
 _symmetric_csr_matmul.defvjp(_symmetric_fwd, _symmetric_bwd)
 
 
+class Transposed(NamedTuple):
+  """Where a CSR matrix's entries go in its transpose (``transposed_layout``).
+
+  Attributes:
+    order: i32[nnz] the matrix's entries (row-sorted order) sorted by column.
+    indices: i32[nnz] their rows, in that order (the transpose's columns).
+    indptr: i32[N + 1] the transpose's row pointers.
+  """
+  order: Array
+  indices: Array
+  indptr: Array
+
+
+def transposed_layout(indices: Array, indptr: Array) -> Transposed:
+  """The ``Transposed`` of a square CSR matrix's structure (a sort of its nnz columns)."""
+  num_rows, nnz = indptr.shape[0] - 1, indices.shape[0]
+  rows = jnp.repeat(jnp.arange(num_rows, dtype=jnp.int32), jnp.diff(indptr),
+                    total_repeat_length=nnz)
+  order = jnp.argsort(indices, stable=True)
+  t_indptr = jnp.searchsorted(indices[order], jnp.arange(num_rows + 1), side="left")
+  return Transposed(order.astype(jnp.int32), rows[order], t_indptr.astype(jnp.int32))
+
+
+@jax.custom_vjp
+def _directed_csr_matmul(h, data, indices, indptr, t_order, t_indices, t_indptr):
+  return _csr_matmul(h, data, indices, indptr)
+
+
+def _directed_fwd(h, data, indices, indptr, t_order, t_indices, t_indptr):
+  return _csr_matmul(h, data, indices, indptr), (data, t_order, t_indices, t_indptr)
+
+
+def _directed_bwd(residuals, cotangent):
+  data, t_order, t_indices, t_indptr = residuals
+  # A^T g, with A^T's entries in its own row order: no symmetry assumed.
+  return (_csr_matmul(cotangent, data[t_order], t_indices, t_indptr),) + (None,) * 6
+
+
+_directed_csr_matmul.defvjp(_directed_fwd, _directed_bwd)
+
+
+def directed_csr_product(h: Array, graph: CSRGraph, transposed: Transposed) -> Array:
+  """``graph @ h``, f32[N, W], for any square CSR matrix, differentiable in ``h``.
+
+  The gradient is the transpose's product (``transposed``:
+  ``transposed_layout(graph.indices, graph.indptr)``), so the matrix need
+  not be symmetric (an edge list with one direction of a pair dropped); none
+  flows to the entries.
+  """
+  return _directed_csr_matmul(h, *graph, *transposed)
+
+
 # Edges per block of ``edge_dot``: the block's gathered rows stay in cache.
 EDGE_BLOCK = 2048
 
 
 def _edge_dot_forward(a, b, senders, receivers):
+  a, b = jnp.asarray(a), jnp.asarray(b)  # numpy rows cannot take traced indices
   n_edge = senders.shape[0]
   grow = (-n_edge) % EDGE_BLOCK
   blocks = lambda idx: jnp.pad(jnp.asarray(idx), (0, grow)).reshape(-1, EDGE_BLOCK)
@@ -168,7 +221,12 @@ def edge_dot(a: Array, b: Array, senders: Array, receivers: Array) -> Array:
   at once writes E x H floats, 6-8x slower on CPU); the gradient is two CSR
   products (g's entries sorted by sender, then by receiver), not a
   scatter per edge. Indices must be in [0, N).
+
+  Raises:
+    ValueError: if ``a`` and ``b`` differ in shape.
   """
+  if a.shape != b.shape:
+    raise ValueError(f"edge_dot: a {a.shape} and b {b.shape} must have the same shape")
   return _edge_dot_forward(a, b, senders, receivers)
 
 

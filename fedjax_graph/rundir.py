@@ -128,8 +128,10 @@ def read_record(out_dir: pathlib.Path, required: str) -> dict:
   """
   try:
     record = json.loads((out_dir / "config.json").read_text())
-  except FileNotFoundError:
+  except (FileNotFoundError, NotADirectoryError):
     raise ValueError(f"{out_dir} holds no config.json (no run of these tools)")
+  except json.JSONDecodeError as err:
+    raise ValueError(f"{out_dir / 'config.json'} is not valid JSON: {err}")
   if required not in record:
     raise ValueError(f"{out_dir} holds another kind of run (its config.json has no {required!r})")
   return record

@@ -91,11 +91,13 @@ class LabelledGraph(NamedTuple):
 class TypedEdges(NamedTuple):
   """A graph as SFPD reads it: CSR rows (one per receiver) with typed neighbour indicators.
 
-  Every product with it is a CSR sparse-dense product (``graphs.csr_product``;
-  a gather and segment-sum per edge is ~10-40x slower on CPU, README
-  "Message passing in training"). The graph is undirected and the types are
-  symmetric in their endpoints, so each indicator matrix is symmetric and
-  the product's gradient is the same product.
+  Every product with it is a CSR sparse-dense product (a gather and
+  segment-sum per edge is ~10x slower on CPU, README "Message passing in
+  training"). The types are symmetric in their endpoints, but a shard's
+  edge list need not be (FGSSL's views drop directed edges one by one), so
+  a shard's products take their gradient through the transpose
+  (``transposed``, ``graphs.directed_csr_product``); the evaluation graph,
+  symmetric and never differentiated, has none.
 
   Attributes:
     indices: i32[nnz] the sender (column) of each entry, entries grouped by
@@ -104,11 +106,13 @@ class TypedEdges(NamedTuple):
     types: f32[3, nnz] 1 where the entry is a neighbour edge of type fr, be,
       unk (``EDGE_TYPES``), 0 on self-loop entries and padding edges.
     inv_degree: f32[N] 1/(deg + 1), A_lo's row weight; 0 on padding rows.
+    transposed: ``graphs.Transposed`` of the structure, or None (symmetric).
   """
   indices: Array
   indptr: Array
   types: Array
   inv_degree: Array
+  transposed: Optional[graphs.Transposed] = None
 
 
 def edge_types(senders: Array, receivers: Array, y: Array, train: Array) -> Array:
@@ -145,15 +149,22 @@ def typed_edges(graph: Union[Shard, LabelledGraph, None], num_nodes: int) -> Opt
     order = jnp.argsort(graph.receivers, stable=True)
     senders, receivers = graph.senders[order], graph.receivers[order]
     indptr = jnp.searchsorted(receivers, jnp.arange(num_nodes + 1), side="left").astype(jnp.int32)
-    real = graph.edge_weight[order] > 0  # padding edges have weight 0
+    # Padding and dropped edges have weight 0: no neighbour (the old edge-list
+    # form typed every slot, so FGGP's unsampled pairs counted as neighbours).
+    real = graph.edge_weight[order] > 0
     # A shard's self_weight is 1/(deg + 1) exactly, and 0 on padding rows.
     inv_degree, y, train = graph.self_weight, graph.y, graph.train
   types = edge_types(senders, receivers, y, train) * real[:, None].astype(jnp.float32)
-  return TypedEdges(senders, indptr, types.T, inv_degree)
+  transposed = (None if isinstance(graph, LabelledGraph)
+                else graphs.transposed_layout(senders, indptr))
+  return TypedEdges(senders, indptr, types.T, inv_degree, transposed)
 
 
 def _product(h: Array, edges: TypedEdges, weights: Array) -> Array:
-  return graphs.csr_product(h, CSRGraph(weights, edges.indices, edges.indptr))
+  graph = CSRGraph(weights, edges.indices, edges.indptr)
+  if edges.transposed is None:
+    return graphs.csr_product(h, graph)
+  return graphs.directed_csr_product(h, graph, edges.transposed)
 
 
 def low_pass(h: Array, edges: Optional[TypedEdges]) -> Array:

@@ -154,12 +154,16 @@ def test_sfpd_layer_matches_a_dense_hand_computation_padded_and_on_the_csr_graph
                              out[:n], rtol=1e-5, atol=1e-6)
 
 
-def test_sfpd_gradient_matches_autodiff_of_the_dense_matrices(monkeypatch):
-  # The typed products' gradient is the same product (symmetric indicators,
-  # graphs.csr_product's custom VJP); autodiff of the same matrices, dense, is the reference.
+@pytest.mark.parametrize("dropped", [False, True])
+def test_sfpd_gradient_matches_autodiff_of_the_dense_matrices(monkeypatch, dropped):
+  # The typed products' custom VJP (the transpose's CSR product) against autodiff of the
+  # same matrices, dense; ``dropped``: one direction of some edges dropped (FGSSL's views),
+  # so the indicator matrices are not symmetric.
   x, y, edges, masks = _small_graph(features=4)
   n = len(y)
   shard = _shard(x, y, edges, masks, 16, 24)
+  if dropped:
+    shard = shard._replace(edge_weight=shard.edge_weight.at[jnp.array([0, 2, 5, 9])].set(0.0))
   model = sfpd.SFPD(num_classes=3, hidden=8)
   params = model.init(jax.random.PRNGKey(0), shard.x, shard, train=False)
   weights = jax.random.normal(jax.random.PRNGKey(2), (n, 3))

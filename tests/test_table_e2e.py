@@ -106,6 +106,7 @@ def test_table_resume_equals_uninterrupted(tiny_config, tiny_wikinet, tmp_path, 
   assert "not finished: scaffold" in (tmp_path / "cut" / "partial.md").read_text()
   assert not (tmp_path / "cut" / "table.md").exists()  # still an unfinished run
   comparison.resume_table(tmp_path / "cut", controls, domain_graphs=tiny_wikinet)
+  assert not (tmp_path / "cut" / "partial.md").exists()  # superseded by the finished table
   # The first call's plans are kept: fedavg's, and scaffold's that the resumed call replaced.
   record = json.loads((tmp_path / "cut" / "config.json").read_text())
   assert {k: p["first_round"] for k, p in record["batches"].items()} == {"fedavg": 0,
