@@ -152,11 +152,9 @@ class Transposed(NamedTuple):
   indptr: Array
 
 
-def transposed_layout(indices: Array, indptr: Array) -> Transposed:
-  """The ``Transposed`` of a square CSR matrix's structure (a sort of its nnz columns)."""
-  num_rows, nnz = indptr.shape[0] - 1, indices.shape[0]
-  rows = jnp.repeat(jnp.arange(num_rows, dtype=jnp.int32), jnp.diff(indptr),
-                    total_repeat_length=nnz)
+def transposed_layout(rows: Array, indices: Array, num_rows: int) -> Transposed:
+  """The ``Transposed`` of a square CSR matrix's structure: its entries' ``rows`` i32[nnz]
+  (row-sorted) and columns ``indices`` (a sort of the nnz columns)."""
   order = jnp.argsort(indices, stable=True)
   t_indptr = jnp.searchsorted(indices[order], jnp.arange(num_rows + 1), side="left")
   return Transposed(order.astype(jnp.int32), rows[order], t_indptr.astype(jnp.int32))
@@ -184,7 +182,7 @@ def directed_csr_product(h: Array, graph: CSRGraph, transposed: Transposed) -> A
   """``graph @ h``, f32[N, W], for any square CSR matrix, differentiable in ``h``.
 
   The gradient is the transpose's product (``transposed``:
-  ``transposed_layout(graph.indices, graph.indptr)``), so the matrix need
+  ``transposed_layout(rows, graph.indices, N)``), so the matrix need
   not be symmetric (an edge list with one direction of a pair dropped); none
   flows to the entries.
   """

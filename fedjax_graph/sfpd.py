@@ -156,7 +156,7 @@ def typed_edges(graph: Union[Shard, LabelledGraph, None], num_nodes: int) -> Opt
     inv_degree, y, train = graph.self_weight, graph.y, graph.train
   types = edge_types(senders, receivers, y, train) * real[:, None].astype(jnp.float32)
   transposed = (None if isinstance(graph, LabelledGraph)
-                else graphs.transposed_layout(senders, indptr))
+                else graphs.transposed_layout(receivers, senders, num_nodes))
   return TypedEdges(senders, indptr, types.T, inv_degree, transposed)
 
 
