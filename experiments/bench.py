@@ -579,8 +579,7 @@ def kernel_ratios(federation, width: int, models_side_by_side: int, repeats: int
                                                                          shard.receivers))
   n, e = shard.x.shape[-2], senders.shape[0]
   order = jnp.argsort(receivers, stable=True)
-  csr = graphs.CSRGraph(jnp.ones((e,)), senders[order],
-                        jnp.searchsorted(receivers[order], jnp.arange(n + 1)).astype(jnp.int32))
+  csr = graphs.CSRGraph(jnp.ones((e,)), senders[order], graphs.row_pointers(receivers[order], n))
   z = jax.random.normal(jax.random.PRNGKey(0), (models_side_by_side, n, width))
   weights = jax.random.normal(jax.random.PRNGKey(1), (e,))
   # The graph is an argument (a constant would be folded at compile time, sorts included).

@@ -139,6 +139,11 @@ def _symmetric_bwd(graph, cotangent):
 _symmetric_csr_matmul.defvjp(_symmetric_fwd, _symmetric_bwd)
 
 
+def row_pointers(sorted_rows: Array, num_rows: int) -> Array:
+  """i32[N + 1] CSR row pointers of entries whose rows ``sorted_rows`` i32[nnz] are ascending."""
+  return jnp.searchsorted(sorted_rows, jnp.arange(num_rows + 1), side="left").astype(jnp.int32)
+
+
 class Transposed(NamedTuple):
   """Where a CSR matrix's entries go in its transpose (``transposed_layout``).
 
@@ -156,8 +161,7 @@ def transposed_layout(rows: Array, indices: Array, num_rows: int) -> Transposed:
   """The ``Transposed`` of a square CSR matrix's structure: its entries' ``rows`` i32[nnz]
   (row-sorted) and columns ``indices`` (a sort of the nnz columns)."""
   order = jnp.argsort(indices, stable=True)
-  t_indptr = jnp.searchsorted(indices[order], jnp.arange(num_rows + 1), side="left")
-  return Transposed(order.astype(jnp.int32), rows[order], t_indptr.astype(jnp.int32))
+  return Transposed(order.astype(jnp.int32), rows[order], row_pointers(indices[order], num_rows))
 
 
 @jax.custom_vjp
@@ -207,8 +211,7 @@ def _by_row(rows, cols, values, num_rows):
   """(data, indices, indptr) of the N x N matrix with ``values`` at (rows, cols)."""
   rows, cols = jnp.asarray(rows), jnp.asarray(cols)
   order = jnp.argsort(rows, stable=True)
-  indptr = jnp.searchsorted(rows[order], jnp.arange(num_rows + 1), side="left")
-  return values[order], cols[order].astype(jnp.int32), indptr.astype(jnp.int32)
+  return values[order], cols[order].astype(jnp.int32), row_pointers(rows[order], num_rows)
 
 
 @jax.custom_vjp

@@ -148,7 +148,7 @@ def typed_edges(graph: Union[Shard, LabelledGraph, None], num_nodes: int) -> Opt
   else:
     order = jnp.argsort(graph.receivers, stable=True)
     senders, receivers = graph.senders[order], graph.receivers[order]
-    indptr = jnp.searchsorted(receivers, jnp.arange(num_nodes + 1), side="left").astype(jnp.int32)
+    indptr = graphs.row_pointers(receivers, num_nodes)
     # Padding and dropped edges have weight 0: no neighbour (the old edge-list
     # form typed every slot, so FGGP's unsampled pairs counted as neighbours).
     real = graph.edge_weight[order] > 0

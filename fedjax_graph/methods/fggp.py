@@ -140,9 +140,8 @@ def pair_layout(pairs: Candidates, num_nodes: int) -> PairLayout:
   nodes = jnp.arange(num_nodes, dtype=jnp.int32)
   rows = jnp.concatenate([pairs.v, pairs.u, nodes])
   order = jnp.argsort(rows, stable=True)
-  indptr = jnp.searchsorted(rows[order], jnp.arange(num_nodes + 1), side="left")
   return PairLayout(order, jnp.concatenate([pairs.u, pairs.v, nodes])[order],
-                    indptr.astype(jnp.int32))
+                    graphs.row_pointers(rows[order], num_nodes))
 
 
 def pair_graph(shard, pairs: Candidates, weight: Array, real: Array, layout: PairLayout = None):
