@@ -458,7 +458,8 @@ def finished_rows(out_dir: pathlib.Path) -> pathlib.Path:
            + f", hyper-parameters {record['select']}"
            + (f"; not finished: {', '.join(missing)}" if missing else ""))
   rows = tables.add_deltas(rows)
-  domains = [str(d) for d in np.load(_run_path(out_dir, finished[0]))["domains"]]
+  with np.load(_run_path(out_dir, finished[0])) as run:
+    domains = [str(d) for d in run["domains"]]
   tables.write_tables(rows, domains, out_dir / PARTIAL, title)
   print(tables.to_markdown(rows, domains, title))
   return out_dir / f"{PARTIAL}.md"
