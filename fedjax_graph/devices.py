@@ -30,6 +30,7 @@ placed with ``jax.make_array_from_callback`` and brought back with
 ``jax.distributed.initialize``; only process 0 writes files (``io.is_writer``).
 """
 
+import dataclasses
 import math
 import os
 import re
@@ -310,6 +311,8 @@ def estimate(sim: Simulation, federation: Federation, batch: CellBatch, config,
   from fedjax_graph import models
   from fedjax_graph.simulation import RoundMetrics, client_keys, for_each_client
 
+  # A method that brings its own backbone (FedSPA's SFPD) trains with its recipe.
+  config = dataclasses.replace(config, **(sim.method.recipe or {}))
   data = host_data(federation)
   one_seed = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
   states = jax.eval_shape(sim.init, jax.ShapeDtypeStruct((1,), np.int32), batch)
@@ -337,11 +340,12 @@ def estimate(sim: Simulation, federation: Federation, batch: CellBatch, config,
     graph = (tree_bytes(one_seed(shard)) // clients - 4 * nodes * features) if with_graph else 0
     gathered += clients * (4 * rows * features + graph)
     # A propagating backbone also holds each layer's messages, one per edge,
-    # unless it propagates with CSR or dense products (the bucket's operator, or
-    # SFPD's typed indicators: no per-edge copy); a method that needs the graph
-    # is counted with them (FGSSL's edge-list views; FGGP's, CSR now, overcounted).
-    messages = with_graph and ((shard.operator is None and config.backbone != "sfpd")
-                               or sim.method.needs_graph)
+    # unless it propagates with the bucket's CSR or dense operator. SFPD's typed
+    # CSR products are counted with them: XLA:CPU keeps per-entry temporaries
+    # (FedSPA on WikiNet, 6 runs: 263 MiB without them, XLA 1.65 GiB, 2.49 GiB
+    # with). A method that needs the graph is too (FGSSL's edge-list views;
+    # FGGP's, CSR, overcounted).
+    messages = with_graph and (shard.operator is None or sim.method.needs_graph)
     per_client = rows * hidden + (edges * hidden if messages else 0)
     training = max(training, 4 * clients * (rows * features + ACTIVATION_COPIES
                                             * config.num_layers * per_client))

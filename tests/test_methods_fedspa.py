@@ -1,6 +1,7 @@
 """FedSPA: the SFPD backbone, the uploads (homophily proxy, Fisher), HBDA, and its composition with FedIA."""
 
 import csv
+import dataclasses
 import importlib
 import math
 from typing import NamedTuple
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import fake_domain, vmapped_and_looped
 
-from fedjax_graph import aggregators, cells as cells_lib, comparison, config, data, graphs, methods
-from fedjax_graph import simulation, sfpd, tables
+from fedjax_graph import aggregators, cells as cells_lib, comparison, config, data, devices, graphs
+from fedjax_graph import methods, simulation, sfpd, tables
 from fedjax_graph.controls import RunControls
 # The module (``methods.fedspa`` is the factory of the same name).
 fedspa_lib = importlib.import_module("fedjax_graph.methods.fedspa")
@@ -371,6 +372,27 @@ def test_fedspa_runs_on_its_own_backbone_with_its_neighbours(one_bucket):
   summed = simulation.make_simulation(cfg, federation, method="fedspa_nohbda",
                                       method_hparams={**HP, "neighbours": "sum"})
   assert summed.model.neighbours == "sum"  # Method.model_options reach the model
+
+
+def test_the_memory_estimate_counts_fedspa_on_its_own_backbone(one_bucket):
+  cfg, federation = one_bucket
+  batch = cells_lib.grid("fedia", rho=[0.5], beta=[0.5]).batch()
+
+  def estimate(federation, config=cfg):
+    sim = simulation.make_simulation(cfg, federation, method="fedspa", method_hparams=HP)
+    return sim, devices.estimate(sim, federation, batch, config, 2)
+
+  sim, sparse = estimate(federation)
+  # The table passes the dataset's recipe; SFPD trains on the graph with its own.
+  recipe = dataclasses.replace(cfg, **sim.method.recipe)
+  assert sparse == estimate(federation, recipe)[1]
+  # Its typed products keep per-entry temporaries (XLA:CPU): more edges, more memory.
+  graphs_ = {d: fake_domain(n, 6 * n, 5, 8, i) for i, (d, n) in enumerate(SIZES.items())}
+  dense = data.build_federation(cfg, graphs_, seeds=[0])
+  (a,), (b,) = federation.client_shards, dense.client_shards
+  extra = (4 * a.x.shape[1] * (b.senders.shape[2] - a.senders.shape[2]) * recipe.hidden
+           * devices.ACTIVATION_COPIES * recipe.num_layers)
+  assert extra > 0 and estimate(dense)[1].per_run[0] - sparse.per_run[0] == extra
 
 
 # One SFPD layer in the round's tests: the local update's compiles are the cost
