@@ -387,12 +387,12 @@ def test_the_memory_estimate_counts_fedspa_on_its_own_backbone(one_bucket):
   recipe = dataclasses.replace(cfg, **sim.method.recipe)
   assert sparse == estimate(federation, recipe)[1]
   # Its typed products keep per-entry temporaries (XLA:CPU): more edges, more memory.
-  graphs_ = {d: fake_domain(n, 6 * n, 5, 8, i) for i, (d, n) in enumerate(SIZES.items())}
-  dense = data.build_federation(cfg, graphs_, seeds=[0])
-  (a,), (b,) = federation.client_shards, dense.client_shards
+  denser = {d: fake_domain(n, 6 * n, 5, 8, i) for i, (d, n) in enumerate(SIZES.items())}
+  more_edges = data.build_federation(cfg, denser, seeds=[0])
+  (a,), (b,) = federation.client_shards, more_edges.client_shards
   extra = (4 * a.x.shape[1] * (b.senders.shape[2] - a.senders.shape[2]) * recipe.hidden
            * devices.ACTIVATION_COPIES * recipe.num_layers)
-  assert extra > 0 and estimate(dense)[1].per_run[0] - sparse.per_run[0] == extra
+  assert extra > 0 and estimate(more_edges)[1].per_run[0] - sparse.per_run[0] == extra
 
 
 # One SFPD layer in the round's tests: the local update's compiles are the cost
