@@ -30,7 +30,6 @@ placed with ``jax.make_array_from_callback`` and brought back with
 ``jax.distributed.initialize``; only process 0 writes files (``io.is_writer``).
 """
 
-import dataclasses
 import math
 import os
 import re
@@ -296,23 +295,23 @@ class Estimate(NamedTuple):
     return int(self.data + working + waiting)
 
 
-def estimate(sim: Simulation, federation: Federation, batch: CellBatch, config,
+def estimate(sim: Simulation, federation: Federation, batch: CellBatch,
              num_rounds: int) -> Estimate:
   """The analytic memory estimate of a batch (nothing is compiled).
 
   Args:
     sim: the simulation (its ``init`` and ``local_update`` are traced
-      abstractly, ``jax.eval_shape``).
+      abstractly, ``jax.eval_shape``; ``sim.config`` gives the hidden width,
+      layers and the backbone's training input, a method's own recipe
+      included).
     federation: its federation (shapes only).
     batch: the cells' ``CellBatch``.
-    config: the recipe (hidden width, layers, the backbone's training input).
     num_rounds: rounds per chunk (the metrics kept on the device).
   """
   from fedjax_graph import models
   from fedjax_graph.simulation import RoundMetrics, client_keys, for_each_client
 
-  # A method that brings its own backbone (FedSPA's SFPD) trains with its recipe.
-  config = dataclasses.replace(config, **(sim.method.recipe or {}))
+  config = sim.config
   data = host_data(federation)
   one_seed = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
   states = jax.eval_shape(sim.init, jax.ShapeDtypeStruct((1,), np.int32), batch)
@@ -468,7 +467,7 @@ class ShardedRunner:
     return self.layout.from_runs(to_host(self.states))
 
 
-def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, config, state,
+def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, state,
                first: int, size: int, devices: Optional[int] = None,
                max_memory: Optional[int] = None, schedule: EvalSchedule = EvalSchedule(),
                attempts: int = 3):
@@ -484,7 +483,7 @@ def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, config
   names the least need found). The fewest sub-batches that XLA found to fit win.
 
   Args:
-    sim, federation, batch, config: the sweep's.
+    sim, federation, batch: the sweep's.
     state: its initial (or resumed) state, per group leaves [S, G_g, ...].
     first, size: the first chunk's round and length (its shape is compiled).
     devices: N (None: all devices).
@@ -507,7 +506,7 @@ def plan_batch(sim: Simulation, federation: Federation, batch: CellBatch, config
     warnings.warn(f"--max-memory {format_size(budget)} is above {what}; a batch that needs "
                   f"more than the device has fails with an out-of-memory error, not a split")
   num_seeds, sizes, n = len(federation.seeds), [g.size for g in batch.groups], mesh.size
-  est = estimate(sim, federation, batch, config, max(size, 1))
+  est = estimate(sim, federation, batch, max(size, 1))
   finest = finest_split(num_seeds, sizes, n)
   lay = lambda k: layout(num_seeds, sizes, n, k)
   fewest = lambda bytes_of: next((k for k in range(1, finest + 1) if bytes_of(lay(k)) <= budget),

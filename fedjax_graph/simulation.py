@@ -195,6 +195,8 @@ class Simulation(NamedTuple):
 
   Attributes:
     model: the backbone.
+    config: the training recipe the program was built from: the caller's
+      ``Config`` with a method's ``recipe`` applied (FedSPA's SFPD).
     local_update: one client's local training (``client.make_local_update``).
     training_input: ``training_input(shard, train_rows)`` -> what a client's
       steps see of its shard (``make_training_input``).
@@ -229,6 +231,7 @@ class Simulation(NamedTuple):
       are gathered per run rather than shared by a seed's cells).
   """
   model: NodeClassifier
+  config: Config
   local_update: Callable
   training_input: Callable
   aggregate: Callable
@@ -833,7 +836,7 @@ def _make_simulation(config, federation, diagnostics, method_name, method_hparam
     # [L, R_g, ...] -> [R_g, L, ...] per group.
     return states, jax.tree.map(lambda m: jnp.moveaxis(m, 0, 1), metrics)
 
-  return Simulation(model=model, local_update=local_update, training_input=training_input,
+  return Simulation(model=model, config=config, local_update=local_update, training_input=training_input,
                     aggregate=aggregate, method=method, evaluate=evaluate, init=jax.jit(init),
                     run_chunk=jax.jit(run_chunk, static_argnames=("num_rounds", "schedule")),
                     trace_count=trace_count, run_runs=run_runs)

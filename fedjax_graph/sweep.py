@@ -167,7 +167,7 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
     parts.append(RoundMetrics(**saved.metrics))
 
   seconds, chunk = [], controls.chunk
-  runner, plan = devices_lib.plan_batch(sim, federation, batch, config, state, start,
+  runner, plan = devices_lib.plan_batch(sim, federation, batch, state, start,
                                         min(chunk, rounds - start), controls.devices,
                                         controls.max_memory, schedule)
   print(f"{description}: {plan.describe()}" if description else plan.describe())

@@ -177,7 +177,7 @@ def test_federation_buckets_carry_the_operator_and_the_estimate_counts_it(tiny_w
                                                         "dense", np).matrix)
     sim = simulation.make_simulation(cfg, federation)
     batch = cells_lib.grid("fedia", rho=[0.5], beta=[0.5]).batch()
-    sizes[kind] = devices.estimate(sim, federation, batch, cfg, 2)
+    sizes[kind] = devices.estimate(sim, federation, batch, 2)
   extra = sum(4 * np.prod(s.x.shape[:2]) * s.x.shape[-2] ** 2 for s in
               _federation(tiny_wikinet, "dense")[1].client_shards)
   assert sizes["dense"].data - sizes["sparse"].data == extra

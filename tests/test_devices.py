@@ -41,7 +41,7 @@ FOUR_DEVICES = textwrap.dedent("""
     sim = simulation.make_simulation(cfg, federation)
     batch = cells.grid("fedia", **grid).batch()
     sizes = [g.size for g in batch.groups]
-    whole = devices.estimate(sim, federation, batch, cfg, 2).total(devices.layout(3, sizes, 4, 1))
+    whole = devices.estimate(sim, federation, batch, 2).total(devices.layout(3, sizes, 4, 1))
     # A budget under both the estimate and XLA's figure for all runs at once: they must split.
     at_once = devices.ShardedRunner(sim, devices.device_mesh(4), devices.layout(3, sizes, 4, 1),
                                     sim.init(np.array(seeds, np.int32), jax.device_put(batch)),

@@ -378,21 +378,22 @@ def test_the_memory_estimate_counts_fedspa_on_its_own_backbone(one_bucket):
   cfg, federation = one_bucket
   batch = cells_lib.grid("fedia", rho=[0.5], beta=[0.5]).batch()
 
-  def estimate(federation, config=cfg):
+  def estimate(federation):
     sim = simulation.make_simulation(cfg, federation, method="fedspa", method_hparams=HP)
-    return sim, devices.estimate(sim, federation, batch, config, 2)
+    return sim, devices.estimate(sim, federation, batch, 2)
 
-  sim, sparse = estimate(federation)
-  # The table passes the dataset's recipe; SFPD trains on the graph with its own.
+  sim, base = estimate(federation)
+  # The table passes the dataset's recipe; SFPD trains on the graph with its own,
+  # which the estimate reads off the simulation.
   recipe = dataclasses.replace(cfg, **sim.method.recipe)
-  assert sparse == estimate(federation, recipe)[1]
+  assert sim.config == recipe and recipe.backbone == "sfpd" != cfg.backbone
   # Its typed products keep per-entry temporaries (XLA:CPU): more edges, more memory.
   denser = {d: fake_domain(n, 6 * n, 5, 8, i) for i, (d, n) in enumerate(SIZES.items())}
   more_edges = data.build_federation(cfg, denser, seeds=[0])
   (a,), (b,) = federation.client_shards, more_edges.client_shards
   extra = (4 * a.x.shape[1] * (b.senders.shape[2] - a.senders.shape[2]) * recipe.hidden
            * devices.ACTIVATION_COPIES * recipe.num_layers)
-  assert extra > 0 and estimate(more_edges)[1].per_run[0] - sparse.per_run[0] == extra
+  assert extra > 0 and estimate(more_edges)[1].per_run[0] - base.per_run[0] == extra
 
 
 # One SFPD layer in the round's tests: the local update's compiles are the cost
