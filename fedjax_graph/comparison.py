@@ -351,7 +351,7 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
   # Rows of a method on its own backbone (FedSPA's SFPD) say so in the title.
   title = _title(config, rounds, seeds, last, _rows_by_backbone(methods, aggregators, config,
                                                                  defaults))
-  hparams = {m: dict(defaults["hparams"].get(m, {})) for m in methods}
+  hparams = {m: methods_lib.run_hparams(m, defaults["hparams"].get(m, {}), rounds) for m in methods}
   settings = {m: {a: aggregator_setting(defaults, config.dataset, config.setting, m, a)
                   for a in aggregators} for m in methods}
   setup = {"config": config.to_dict(), "methods": list(method_names), "hparams": hparams,

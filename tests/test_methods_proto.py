@@ -170,6 +170,7 @@ def test_fedproc_schedule_weighs_contrast_and_cross_entropy(cfg):
   np.testing.assert_allclose(alphas, [1.0, 0.75, 0.5, 0.25, 0.0, 0.0, 0.0])
   assert float(contrast_weight(199, 200)) == 0.0
   assert float(contrast_weight(1, 200)) == pytest.approx(1 - 1 / 199)
+  assert [float(contrast_weight(t, 1)) for t in range(2)] == [1.0, 0.0]  # a one-round run
   model = models.make_model("pmlp_gcn", 3, 2)
   fedproc = methods.make_method("fedproc", model, cfg, {"rounds": 5})
   server = FedProcState(_server([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]], [True, True, False]),
@@ -187,12 +188,16 @@ def test_hyper_parameters_are_checked(cfg):
     methods.make_method("fedproto", model, cfg, {"lam": -1})
   with pytest.raises(ValueError, match="fedproc: tau = 0; must be > 0"):
     methods.make_method("fedproc", model, cfg, {"tau": 0})
-  for rounds in (1, 200.0, True):
-    with pytest.raises(ValueError, match="fedproc: rounds = .*; must be an integer >= 2"):
+  for rounds in (0, 200.0, True):
+    with pytest.raises(ValueError, match="fedproc: rounds = .*; must be an integer >= 1"):
       methods.make_method("fedproc", model, cfg, {"rounds": rounds})
   defaults = methods.method_defaults()["hparams"]
   assert defaults["fedproto"] == {"lam": 1.0, "weights": "count"}
-  assert defaults["fedproc"] == {"tau": 1.0, "rounds": 200, "weights": "count"}
+  assert defaults["fedproc"] == {"tau": 1.0, "weights": "count"}
+  # Its schedule spans the run unless the config fixes T; other methods take no rounds.
+  assert methods.run_hparams("fedproc", defaults["fedproc"], 50)["rounds"] == 50
+  assert methods.run_hparams("fedproc", {"rounds": 200}, 50) == {"rounds": 200}
+  assert methods.run_hparams("fedproto", defaults["fedproto"], 50) == defaults["fedproto"]
 
 
 # --- One client's local training --------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from conftest import script_main, usage_error
-from fedjax_graph import analysis, comparison, config, sweep, tables
+from fedjax_graph import analysis, comparison, config, methods, sweep, tables
 from fedjax_graph.controls import RunControls
 
 
@@ -53,6 +53,41 @@ def test_table_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, cap
   run = comparison.load_run(out / "runs" / "feddyn.npz")
   assert run.test_acc.shape == (2, 2, 2, 3)  # [S, G', T, D]
   assert not (out / "checkpoint-feddyn.msgpack").exists()
+
+
+FGL = ("fedproto", "fedproc", "fgssl", "fedspa", "fggp")
+
+
+def test_the_five_fgl_baselines_in_one_table_on_real_wikinet(raw_dir, prepared_cache, tmp_path):
+  # One round of one local step on a narrow model: each method's program (its client part,
+  # uploads and server part on the real shards) runs through the table; the per-method
+  # files test what each computes, the README what it learns over 200 rounds.
+  out = tmp_path / "fgl"
+  script_main("table")(["--dataset", "wikinet", "--methods", ",".join(FGL), "--rounds", "1",
+                        "--set", "hidden=8", "--set", "num_layers=2", "--set", "local_steps=1",
+                        "--set", "max_buckets=1", "--seeds", "0", "--raw-dir", str(raw_dir),
+                        "--cache-dir", str(prepared_cache), "--out", str(out), "--no-progress"])
+  with open(out / "table.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert [r["method"] for r in rows] == [
+      "FedProto", "FedProto+FedIA", "FedProc", "FedProc+FedIA", "FGSSL", "FGSSL+FedIA",
+      "FedSPA", "FedSPA+FedIA", "FGGP", "FGGP+FedIA"]
+  assert all(r["status"] == "ok" for r in rows)
+  for r in rows:
+    for d in ("chameleon", "squirrel", "crocodile", "AVG"):
+      assert 0 <= float(r[f"{d}_mean"]) <= 100, (r["method"], d)
+    # FGGP alone is scored by its kNN prototypes, with its classifier's argmax beside it.
+    assert (r["AVG_argmax_mean"] != "") == r["method"].startswith("FGGP")
+  assert "(sfpd: FedSPA, FedSPA+FedIA)" in (out / "table.md").read_text()
+  record = json.loads((out / "config.json").read_text())
+  assert record["status"] == "finished" and sorted(record["selected"]) == sorted(FGL)
+  defaults = methods.method_defaults()["hparams"]
+  assert record["hparams"] == {m: methods.run_hparams(m, defaults[m], 1) for m in FGL}
+  assert record["hparams"]["fedproc"]["rounds"] == 1  # its schedule spans this run
+  for m in FGL:
+    run = comparison.load_run(out / "runs" / f"{m}.npz")
+    assert run.test_acc.shape == (1, 2, 1, 3) and np.all(np.isfinite(run.train_loss))
+    assert not run.nonfinite.any() and (run.predicted_classes >= 1).all()
 
 
 def test_table_usage_errors(capsys):

@@ -92,6 +92,23 @@ def register(name: str, factory: Callable[..., Method], display: Optional[str] =
   DISPLAY[name] = display or name
 
 
+def run_hparams(name: str, hparams: Optional[Mapping[str, Any]], rounds: int) -> dict:
+  """A method's hyper-parameters for a run of ``rounds`` rounds.
+
+  A method whose factory takes ``rounds`` (the T of a schedule over the run,
+  FedProc's alpha_t) gets the run's, unless ``hparams`` sets it.
+
+  Raises:
+    ValueError: for an unknown method.
+  """
+  if name not in REGISTRY:
+    raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+  out = dict(hparams or {})
+  if "rounds" in inspect.signature(REGISTRY[name]).parameters:
+    out.setdefault("rounds", rounds)
+  return out
+
+
 def make_method(name: str, model: NodeClassifier, config: Config,
                 hparams: Optional[Mapping[str, Any]] = None) -> Method:
   """The method called ``name`` with ``hparams`` over its defaults.
@@ -117,4 +134,4 @@ def make_method(name: str, model: NodeClassifier, config: Config,
 __all__ = ["ClientContext", "DISPLAY", "METHODS", "METHODS_FILE", "Method", "MethodState",
            "REGISTRY", "ROW_DISPLAY", "SERVER_OPTIMIZERS", "StepOutput", "check_method_config",
            "cosine_similarity", "effective_steps", "make_method", "method_defaults", "moon_loss",
-           "register"]
+           "register", "run_hparams"]

@@ -41,8 +41,11 @@ class FedProcState(NamedTuple):
 
 
 def contrast_weight(round_index: Array, rounds: int) -> Array:
-  """alpha_t = 1 - t / (T - 1), f32[]: 1 at round 0, 0 at round T - 1, clipped to [0, 1] after."""
-  return jnp.clip(1.0 - round_index / (rounds - 1), 0.0, 1.0).astype(jnp.float32)
+  """alpha_t = 1 - t / (T - 1), f32[]: 1 at round 0, 0 at round T - 1, clipped to [0, 1] after.
+
+  T = 1 (a one-round run) has alpha_0 = 1.
+  """
+  return jnp.clip(1.0 - round_index / max(rounds - 1, 1), 0.0, 1.0).astype(jnp.float32)
 
 
 def gpcl_loss(z: Array, y: Array, train_mask: Array, server: GlobalPrototypes,
@@ -80,20 +83,23 @@ def fedproc(model: NodeClassifier, config: Config, tau: float = 1.0, rounds: int
   Round 0 has alpha_0 = 1 and no prototypes, so the objective is 0 and
   clients move only by weight decay: no learning in round 0. This follows
   the reference code; nothing read of the paper (its text was not at hand,
-  FGL_METHODS.md §2(b)) treats round 0 apart, so the artifact is kept. ``rounds`` is the T of the schedule (the paper's 200
-  rounds); a run longer than T continues with alpha = 0 (CE only). The
+  FGL_METHODS.md §2(b)) treats round 0 apart, so the artifact is kept.
+  ``rounds`` is the T of the schedule: a table passes its own number of
+  rounds unless the method config sets one (``methods.run_hparams``); 200,
+  the paper's, when the method is built without it. A run longer than T
+  continues with alpha = 0 (CE only). The
   counter counts aggregated rounds: a round nobody takes part in leaves the
   whole server state, the counter included, as it was. Unlike the FedIA
   port (FGL_METHODS.md §2(h)), the prototypes are [K, H] rows, so the loss
   is a real contrast (the port's collapses to log|S| with no gradient).
 
   Raises:
-    ValueError: if ``tau`` <= 0, ``rounds`` is not an integer >= 2, or
+    ValueError: if ``tau`` <= 0, ``rounds`` is not an integer >= 1, or
       ``weights`` is not ``count`` or ``uniform``.
   """
   base.check(tau > 0, "fedproc", "tau", tau, "> 0")
-  base.check(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 2,
-             "fedproc", "rounds", rounds, "an integer >= 2")
+  base.check(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1,
+             "fedproc", "rounds", rounds, "an integer >= 1")
   descent = base.descent_step(config)
 
   def init(params, num_clients):
