@@ -11,6 +11,7 @@ interrupted table continues where it stopped (``resume_table``).
 ``experiments/table.py`` and ``experiments/ablation.py`` are the command lines.
 """
 
+import json
 import pathlib
 import time
 from typing import Mapping, Optional, Sequence
@@ -82,6 +83,12 @@ def check_methods(names: Sequence[str], aggregators: Sequence[str], config: Conf
     raise ValueError(f"aggregators = {list(aggregators)}; choose from {', '.join(AGGREGATORS)}, "
                      "without repeats")
   model = config.model(2)
+  for name in defaults["hparams"]:  # the methods configured but not run, too: a typo shows now
+    if name not in names:
+      try:
+        methods_lib.make_method(name, model, config, defaults["hparams"][name])
+      except ValueError as err:
+        raise ValueError(f"method config: hparams.{err}") from None
   for name in base_methods(names):
     method = methods_lib.make_method(name, model, config, defaults["hparams"].get(name, {}))
     for aggregator in aggregators:
@@ -150,17 +157,68 @@ def _run_path(out_dir: pathlib.Path, key: str) -> pathlib.Path:
   return out_dir / RUNS / f"{key}.npz"
 
 
-def load_run(path: pathlib.Path) -> tables.RunResult:
-  """A saved ``runs/<key>.npz`` (``save_run``)."""
+def run_setup(config: Config, cells: cells_lib.Cells, method: str, hparams: Mapping,
+              seeds: Sequence[int], rounds: int) -> dict:
+  """What a saved run's numbers depend on: kept in its npz (``save_run``), checked on loading.
+
+  The preset and recipe, the method and its hyper-parameters, the cells
+  (labels and aggregator hyper-parameters), seeds and rounds, as JSON values.
+  """
+  cell_hparams = {n: [None if np.isnan(v) else round(float(v), 6) for v in values]
+                  for n, values in cells.hparam_table().items()}
+  setup = {"config": config.to_dict(), "method": method, "hparams": dict(hparams),
+           "cells": list(cells.labels), "cell_hparams": cell_hparams,
+           "seeds": [int(s) for s in seeds], "rounds": int(rounds)}
+  return json.loads(json.dumps(setup, sort_keys=True))  # tuples as lists, as a file holds them
+
+
+def _differences(saved: Mapping, expected: Mapping) -> list[str]:
+  """``key: <saved> in the file, <expected> here`` for each differing key (one level into mappings)."""
+  out = []
+  for key in sorted(set(saved) | set(expected)):
+    old, new = saved.get(key), expected.get(key)
+    if isinstance(old, dict) and isinstance(new, dict):
+      out += [f"{key}.{d}" for d in _differences(old, new)]
+    elif old != new:
+      out.append(f"{key}: {old!r} in the file, {new!r} here")
+  return out
+
+
+def load_run(path: pathlib.Path, expected: Optional[Mapping] = None) -> tables.RunResult:
+  """A saved ``runs/<key>.npz`` (``save_run``), checked against ``expected`` (``run_setup``).
+
+  A file saved before run setups were recorded is checked by what it holds:
+  cell labels, seeds and number of rounds.
+
+  Raises:
+    ValueError: naming the file and what differs, if it was saved by
+      another run (another folder's, or one with other settings).
+  """
   with np.load(path) as f:
     arrays = {name: f[name] for name in tables.RunResult._fields if name in f.files}
     arrays["hparams"] = {k[len("hparam_"):]: f[k] for k in f.files if k.startswith("hparam_")}
-  return tables.RunResult(**arrays)
+    saved = json.loads(str(f["run_setup"])) if "run_setup" in f.files else None
+    seeds = f["seeds"].tolist() if "seeds" in f.files else None
+  result = tables.RunResult(**arrays)
+  if expected is None:
+    return result
+  if saved is None:
+    saved = {"cells": [str(label) for label in result.labels], "seeds": seeds,
+             "rounds": int(result.test_acc.shape[2])}
+    expected = {key: expected[key] for key in saved}
+  diffs = _differences(saved, expected)
+  if diffs:
+    raise ValueError(f"{path} was saved by another run ({'; '.join(diffs[:4])}"
+                     f"{'; ...' if len(diffs) > 4 else ''}); delete it to run "
+                     f"{path.stem} again here, or resume the folder it came from")
+  return result
 
 
 def save_run(path: pathlib.Path, arrays: Mapping, cells: cells_lib.Cells,
-             federation: Federation, seconds: float) -> tables.RunResult:
-  """Saves a sweep's per-round arrays with its cells (labels, aggregators, hyper-parameters)."""
+             federation: Federation, seconds: float,
+             setup: Optional[Mapping] = None) -> tables.RunResult:
+  """Saves a sweep's per-round arrays with its cells (labels, aggregators, hyper-parameters)
+  and, if given, its ``run_setup`` (for ``load_run``'s check)."""
   recorded = {name: np.asarray(arrays[name]) for name in tables.RunResult._fields
               if arrays.get(name) is not None and name not in ("seconds", "labels", "hparams")}
   # Cell values as the user gave them (0.9, not float32's 0.8999999761581421).
@@ -171,7 +229,8 @@ def save_run(path: pathlib.Path, arrays: Mapping, cells: cells_lib.Cells,
   report.write_history(path, **{k: v for k, v in result._asdict().items()
                                 if k != "hparams" and v is not None},
                        **{f"hparam_{n}": v for n, v in hparams.items()},
-                       domains=np.asarray(federation.domains), seeds=np.asarray(federation.seeds))
+                       domains=np.asarray(federation.domains), seeds=np.asarray(federation.seeds),
+                       **({} if setup is None else {"run_setup": np.asarray(json.dumps(setup))}))
   return result
 
 
@@ -188,8 +247,9 @@ def run_cells(config: Config, federation: Federation, cells: cells_lib.Cells, ke
   ``controls.eval_every`` > 1; see ``sweep.run_sweep``).
   """
   path = _run_path(out_dir, key)
+  saved = run_setup(config, cells, method, hparams, federation.seeds, rounds)
   if path.exists():
-    return load_run(path)
+    return load_run(path, saved)
   checkpoint = out_dir / f"checkpoint-{key}.msgpack"
 
   def on_plan(plan):
@@ -203,9 +263,16 @@ def run_cells(config: Config, federation: Federation, cells: cells_lib.Cells, ke
                         method_hparams=dict(hparams), description=key,
                         checkpoint_path=checkpoint, fingerprint=fingerprint({**setup, "run": key}),
                         on_plan=on_plan, last=last)
-  result = save_run(path, history._asdict(), cells, federation, time.perf_counter() - start)
+  result = save_run(path, history._asdict(), cells, federation, time.perf_counter() - start,
+                    saved)
   remove_file(checkpoint)
   return result
+
+
+def _reference_run(name: str) -> tuple[cells_lib.Cells, str]:
+  """A reference row's one cell and the method that runs it (the majority row: none trains)."""
+  own = cells_lib.Cells([cells_lib.cell(cells_lib.BASE, label=references.DISPLAY[name])])
+  return own, {"majority": "majority", "centralized": "fedavg"}.get(name, "local")
 
 
 def run_reference(name: str, config: Config, federation: Federation, domain_graphs,
@@ -217,19 +284,17 @@ def run_reference(name: str, config: Config, federation: Federation, domain_grap
   The majority row is scored on the host in every round, whatever
   ``controls.eval_every``; ``record`` and ``last`` as for ``run_cells``.
   """
-  own = cells_lib.Cells([cells_lib.cell(cells_lib.BASE, label=references.DISPLAY[name])])
+  own, method = _reference_run(name)
   if name == "majority":
     path = _run_path(out_dir, name)
+    saved = run_setup(config, own, method, {}, federation.seeds, rounds)
     if path.exists():
-      return load_run(path)
+      return load_run(path, saved)
     start = time.perf_counter()
     return save_run(path, references.majority_history(federation, rounds), own, federation,
-                    time.perf_counter() - start)
+                    time.perf_counter() - start, saved)
   if name == "centralized":
-    federation, method = build_federation(config, domain_graphs, federation.seeds,
-                                          pooled=True), "fedavg"
-  else:
-    method = "local"
+    federation = build_federation(config, domain_graphs, federation.seeds, pooled=True)
   return run_cells(config, federation, own, name, method, {}, rounds, out_dir, setup, controls,
                    record, last)
 
@@ -358,7 +423,10 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
            "aggregators": aggregators, "settings": settings if select == "fixed" else None,
            "select": select, "seeds": [int(s) for s in seeds], "rounds": rounds,
            "chunk": controls.chunk}
-  record = _record(setup, federation, meta, controls, last=last,
+  # Recorded beside the given ones (which the checkpoints' fingerprints hash): each
+  # method's every hyper-parameter, its factory's defaults included.
+  in_effect = {m: methods_lib.hparams_in_effect(m, hparams[m]) for m in methods}
+  record = _record(setup, federation, meta, controls, last=last, hparams_in_effect=in_effect,
                    **earlier_plans(out_dir, controls.resume))
   report.write_json(out_dir / "config.json", record)
 
@@ -443,15 +511,24 @@ def finished_rows(out_dir: pathlib.Path) -> pathlib.Path:
     path = _run_path(out_dir, name)
     if not path.exists():
       missing.append(name)
-    elif name in references.REFERENCES:
-      rows.append(tables.make_row(load_run(path), 0, name, "reference", last))
+      continue
+    config = Config(**record["config"])
+    if name in references.REFERENCES:
+      (cells, method), hparams = _reference_run(name), {}
     else:
-      rows += method_rows(load_run(path), name, record["aggregators"], record["select"], last)
+      cells = method_cells(name, record["aggregators"], (record["settings"] or {}).get(name),
+                           record["select"])
+      method, hparams = name, record["hparams"][name]
+    result = load_run(path, run_setup(config, cells, method, hparams, record["seeds"],
+                                      record["rounds"]))
+    if name in references.REFERENCES:
+      rows.append(tables.make_row(result, 0, name, "reference", last))
+    else:
+      rows += method_rows(result, name, record["aggregators"], record["select"], last)
   if not rows:
     raise ValueError(f"{out_dir}: no method has finished yet (runs/ holds none of "
                      f"{record['methods']})")
   finished = [n for n in record["methods"] if n not in missing]
-  config = Config(**record["config"])
   own = _rows_by_backbone(base_methods(finished), record["aggregators"], config,
                           {"hparams": record["hparams"]})
   title = (_title(config, record["rounds"], record["seeds"], last, own)

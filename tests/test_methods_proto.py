@@ -198,6 +198,8 @@ def test_hyper_parameters_are_checked(cfg):
   assert methods.run_hparams("fedproc", defaults["fedproc"], 50)["rounds"] == 50
   assert methods.run_hparams("fedproc", {"rounds": 200}, 50) == {"rounds": 200}
   assert methods.run_hparams("fedproto", defaults["fedproto"], 50) == defaults["fedproto"]
+  assert methods.hparams_in_effect("fedproc", {"tau": 2.0}) == {"tau": 2.0, "rounds": 200,
+                                                                "weights": "count"}
 
 
 # --- One client's local training --------------------------------------------------------------

@@ -84,6 +84,9 @@ def test_the_five_fgl_baselines_in_one_table_on_real_wikinet(raw_dir, prepared_c
   defaults = methods.method_defaults()["hparams"]
   assert record["hparams"] == {m: methods.run_hparams(m, defaults[m], 1) for m in FGL}
   assert record["hparams"]["fedproc"]["rounds"] == 1  # its schedule spans this run
+  # Beside what the config gave, every value in effect: the factories' defaults too.
+  assert record["hparams_in_effect"]["fedspa"] == {**record["hparams"]["fedspa"], "hbda": True,
+                                                   "proxy_seed": 0}
   for m in FGL:
     run = comparison.load_run(out / "runs" / f"{m}.npz")
     assert run.test_acc.shape == (1, 2, 1, 3) and np.all(np.isfinite(run.train_loss))
@@ -102,6 +105,15 @@ def test_table_usage_errors(capsys):
   assert "--seeds: not applicable to --rows-so-far" in usage_error(
       "table", ["--rows-so-far", "x", "--seeds", "0"], capsys)
   assert "holds no config.json" in usage_error("table", ["--rows-so-far", "/nonexistent"], capsys)
+
+
+def test_the_method_config_is_checked_for_methods_not_run(tmp_path, capsys):
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("hparams: {fedavg: {weights: count}, fedspa: {weights: counts}}\n")
+  err = usage_error("table", ["--dataset", "wikinet", "--methods", "fedavg", "--method-config",
+                              str(bad), "--out", str(tmp_path / "t")], capsys)
+  assert "method config: hparams.fedspa: weights = 'counts'" in err
+  assert not (tmp_path / "t").exists()
 
 
 def test_rows_so_far_needs_a_finished_method(tmp_path):
@@ -180,6 +192,41 @@ def test_select_val_reports_the_best_validation_cell_and_resumes(tiny_config, ti
   comparison.resume_table(out, RunControls(progress=False), domain_graphs=tiny_wikinet)
   again = comparison.load_run(out / "runs" / "fedprox.npz")
   np.testing.assert_array_equal(again.test_acc, run.test_acc)
+
+
+def test_a_saved_run_of_another_setup_is_refused_naming_the_file(tiny_config, tiny_wikinet,
+                                                                 tmp_path):
+  out = comparison.run_table(tiny_config, ["fedavg"], [0], 2, 1,
+                             controls=RunControls(progress=False, out_dir=tmp_path / "a"),
+                             domain_graphs=tiny_wikinet)
+  record = json.loads((out / "config.json").read_text())
+  assert record["hparams"]["fedavg"] == {"weights": "count"}
+  assert record["hparams_in_effect"]["fedavg"] == {"weights": "count"}
+  # A table with other settings whose runs/ holds a's fedavg.npz: resuming it refuses the
+  # file (it would be reported under the other settings), and so do its rows so far.
+  def other(name, **changes):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "runs").mkdir()
+    (folder / "runs" / "fedavg.npz").write_bytes((out / "runs" / "fedavg.npz").read_bytes())
+    (folder / "config.json").write_text(json.dumps({**record, **changes, "status": "running"}))
+    return folder
+  uniform = other("uniform", hparams={"fedavg": {"weights": "uniform"}})
+  message = (r"uniform/runs/fedavg.npz was saved by another run \(hparams.weights: 'count' "
+             r"in the file, 'uniform' here\); delete it")
+  with pytest.raises(ValueError, match=message):
+    comparison.resume_table(uniform, RunControls(progress=False), domain_graphs=tiny_wikinet)
+  with pytest.raises(ValueError, match=message):
+    comparison.finished_rows(uniform)
+  # A file saved before runs recorded their setup is checked by its cells, seeds and rounds.
+  with np.load(out / "runs" / "fedavg.npz") as f:
+    legacy = {k: f[k] for k in f.files if k != "run_setup"}
+  np.savez(out / "runs" / "fedavg.npz", **legacy)
+  seeds = other("seeds", seeds=[0, 1])
+  with pytest.raises(ValueError, match=r"fedavg.npz was saved by another run \(seeds: \[0\] "
+                                       r"in the file, \[0, 1\] here\)"):
+    comparison.finished_rows(seeds)
+  assert comparison.finished_rows(other("same")).exists()  # its own legacy file loads
 
 
 def test_a_table_puts_each_aggregator_in_a_row_of_its_own(tiny_config, tiny_wikinet, tmp_path):

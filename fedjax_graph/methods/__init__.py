@@ -129,9 +129,26 @@ def make_method(name: str, model: NodeClassifier, config: Config,
     return factory(model, config, **hparams)
   except TypeError as err:  # e.g. mu: "0.01" compared with 0
     raise ValueError(f"{name}: a hyper-parameter has the wrong type in {hparams} ({err})")
+  except ValueError as err:  # most factories' messages name the value, not the method
+    if str(err).startswith(f"{name}:"):
+      raise
+    raise ValueError(f"{name}: {err}") from None
+
+
+def hparams_in_effect(name: str, hparams: Optional[Mapping[str, Any]] = None) -> dict:
+  """Every hyper-parameter of method ``name``: ``hparams`` over its factory's defaults.
+
+  Raises:
+    ValueError: for an unknown method.
+  """
+  if name not in REGISTRY:
+    raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+  defaults = {n: p.default for n, p in list(inspect.signature(REGISTRY[name]).parameters.items())[2:]
+              if p.default is not inspect.Parameter.empty}
+  return {**defaults, **(hparams or {})}
 
 
 __all__ = ["ClientContext", "DISPLAY", "METHODS", "METHODS_FILE", "Method", "MethodState",
            "REGISTRY", "ROW_DISPLAY", "SERVER_OPTIMIZERS", "StepOutput", "check_method_config",
-           "cosine_similarity", "effective_steps", "make_method", "method_defaults", "moon_loss",
-           "register", "run_hparams"]
+           "cosine_similarity", "effective_steps", "hparams_in_effect", "make_method",
+           "method_defaults", "moon_loss", "register", "run_hparams"]
