@@ -173,7 +173,7 @@ def run_setup(config: Config, cells: cells_lib.Cells, method: str, hparams: Mapp
 
 
 def _differences(saved: Mapping, expected: Mapping) -> list[str]:
-  """``key: <saved> in the file, <expected> here`` for each differing key (one level into mappings)."""
+  """``key: <saved> in the file, <expected> here`` per differing key (one level into mappings)."""
   out = []
   for key in sorted(set(saved) | set(expected)):
     old, new = saved.get(key), expected.get(key)

@@ -143,8 +143,8 @@ def hparams_in_effect(name: str, hparams: Optional[Mapping[str, Any]] = None) ->
   """
   if name not in REGISTRY:
     raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-  defaults = {n: p.default for n, p in list(inspect.signature(REGISTRY[name]).parameters.items())[2:]
-              if p.default is not inspect.Parameter.empty}
+  parameters = list(inspect.signature(REGISTRY[name]).parameters.values())[2:]
+  defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
   return {**defaults, **(hparams or {})}
 
 
