@@ -20,7 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from fedjax_graph import cli, methods, references  # noqa: E402
 from fedjax_graph.comparison import (AGGREGATORS, SELECTIONS, finished_rows,  # noqa: E402
-                                     resume_table, run_table)
+                                     recipe_overrides, resume_table, run_table)
 from fedjax_graph.rundir import default_out_dir  # noqa: E402
 
 
@@ -61,8 +61,11 @@ def main(argv=None):
       return resume_table(args.resume, **cli.resume_kwargs(args))
     config = cli.config_from_args(parser, args)
     args.out = args.out or default_out_dir(config, "table")  # so that Ctrl-C can name it
+    defaults = methods.method_defaults(args.method_config)
+    for line in recipe_overrides(args.methods, config, defaults, cli.preset_overrides(args)):
+      print(f"note: {line}", file=sys.stderr)
     return run_table(config, args.methods, args.seeds, args.rounds, cli.last_from_args(args),
-                     args.select, args.aggregators, methods.method_defaults(args.method_config),
+                     args.select, args.aggregators, defaults,
                      cli.run_controls(args, nonfinite="skip"))
 
   cli.guarded(parser, run, args)

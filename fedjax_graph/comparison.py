@@ -14,7 +14,7 @@ interrupted table continues where it stopped (``resume_table``).
 import json
 import pathlib
 import time
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -113,18 +113,43 @@ def row_label(method: str, aggregator: Optional[str] = None) -> str:
       (method, aggregator), f"{display}+{aggregators_lib.DISPLAY[aggregator]}")
 
 
+def _recipes(names: Sequence[str], config: Config, defaults: Mapping) -> dict[str, Mapping]:
+  """``{method: Method.recipe}`` of the base methods among ``names`` that fix config fields."""
+  model = config.model(2)
+  out = {}
+  for name in base_methods(names):
+    recipe = methods_lib.make_method(name, model, config,
+                                     defaults["hparams"].get(name, {})).recipe
+    if recipe:
+      out[name] = recipe
+  return out
+
+
 def own_backbones(names: Sequence[str], config: Config, defaults: Mapping) -> dict[str, str]:
   """``{method: backbone}`` of the methods among ``names`` on a backbone not the config's.
 
   Read from ``Method.recipe`` (FedSPA: ``sfpd``).
   """
-  model = config.model(2)
-  out = {}
-  for name in base_methods(names):
-    recipe = methods_lib.make_method(name, model, config,
-                                     defaults["hparams"].get(name, {})).recipe or {}
-    if recipe.get("backbone", config.backbone) != config.backbone:
-      out[name] = recipe["backbone"]
+  return {name: recipe["backbone"] for name, recipe in _recipes(names, config, defaults).items()
+          if recipe.get("backbone", config.backbone) != config.backbone}
+
+
+def recipe_overrides(names: Sequence[str], config: Config, defaults: Mapping,
+                     given: Mapping[str, Any]) -> list[str]:
+  """One line per config field in ``given`` (the user's flags) that a method's recipe replaces.
+
+  FedSPA trains its own SFPD backbone (``hidden``, ``num_layers``, ``dropout``, ``norm``
+  from its hyper-parameters), so ``--set hidden=64`` does not reach its rows; the line
+  says so and where the method's value is set.
+  """
+  out = []
+  for name, recipe in _recipes(names, config, defaults).items():
+    for key in sorted(set(recipe) & set(given)):
+      if recipe[key] != given[key]:
+        where = (f"hparams.{name}.{key} in --method-config"
+                 if key in methods_lib.hparams_in_effect(name) else "the method's recipe")
+        out.append(f"{name} runs with {key}={recipe[key]!r}, not the {key}={given[key]!r} "
+                   f"given (set it by {where})")
   return out
 
 

@@ -533,6 +533,21 @@ def test_a_table_names_fedia_repl_and_the_sfpd_rows_in_every_format(tmp_path, mo
                                                                  "fedspa_nohbda": "sfpd"}
 
 
+def test_a_config_field_that_fedspa_replaces_is_named():
+  """``--set hidden=64`` does not reach FedSPA's SFPD (its recipe's 128): the note says so."""
+  wikinet, defaults = config.load_preset("wikinet", hidden=64), methods.method_defaults()
+  lines = comparison.recipe_overrides(["fedavg", "fedspa"], wikinet, defaults,
+                                      {"hidden": 64, "lr": 0.1})
+  assert lines == ["fedspa runs with hidden=128, not the hidden=64 given (set it by "
+                   "hparams.fedspa.hidden in --method-config)"]
+  norm = comparison.recipe_overrides(["fedspa"], wikinet, defaults, {"norm": "batch"})
+  assert norm == ["fedspa runs with norm='none', not the norm='batch' given (set it by the "
+                  "method's recipe)"]
+  # The method's own value, or fields it leaves alone, give no note.
+  assert comparison.recipe_overrides(["fedspa", "fedavg"], wikinet, defaults,
+                                     {"hidden": 128, "lr": 0.1}) == []
+
+
 # ----------------------------------------------------------------------------
 # On real WikiNet.
 # ----------------------------------------------------------------------------
