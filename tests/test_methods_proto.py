@@ -10,7 +10,8 @@ import pytest
 from conftest import fake_domain, vmapped_and_looped
 from fedjax_graph import cells as cells_lib
 from fedjax_graph import client, config, data, methods, models, simulation, sweep
-from fedjax_graph.methods.fedproc import FedProcState, contrast_weight, fedproc, gpcl_loss
+from fedjax_graph.methods.fedproc import (FedProcState, contrast_weight, fedproc, gpcl_loss,
+                                          prototype_cosines)
 from fedjax_graph.methods.fedproto import (GlobalPrototypes, PrototypeUpload, global_prototypes,
                                            local_prototypes, no_prototypes, prototype_loss)
 
@@ -163,6 +164,22 @@ def test_gpcl_loss_by_hand_with_an_absent_class_and_padding():
   # A zero embedding (a dead ReLU row) keeps the gradient finite.
   grad = jax.grad(gpcl_loss)(jnp.zeros((4, 2)), Y, TRAIN, every)
   assert np.all(np.isfinite(grad))
+
+
+def test_prototype_cosines_equal_the_pairwise_cosine_with_zero_rows_and_their_gradients():
+  key_z, key_p = jax.random.split(jax.random.PRNGKey(3))
+  z = jax.random.normal(key_z, (7, 4)).at[2].set(0.0)  # a dead row
+  prototypes = jax.random.normal(key_p, (3, 4)).at[1].set(0.0)  # an all-zero prototype
+  pairwise = lambda z, p: methods.cosine_similarity(z[:, None, :], p[None, :, :])
+  np.testing.assert_allclose(prototype_cosines(z, prototypes), pairwise(z, prototypes),
+                             rtol=1e-6, atol=1e-7)
+  assert np.all(np.asarray(prototype_cosines(z, prototypes))[2] == 0.0)
+  weights = jax.random.normal(key_p, (7, 3))
+  for argnum in (0, 1):
+    ours, theirs = (jax.grad(lambda *a: jnp.sum(weights * f(*a)), argnum)(z, prototypes)
+                    for f in (prototype_cosines, pairwise))
+    assert np.all(np.isfinite(ours))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_fedproc_schedule_weighs_contrast_and_cross_entropy(cfg):

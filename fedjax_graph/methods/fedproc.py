@@ -19,7 +19,6 @@ from fedjax_graph.config import Config
 from fedjax_graph.methods import base
 from fedjax_graph.methods.fedproto import (GlobalPrototypes, global_prototypes, local_prototypes,
                                            no_prototypes)
-from fedjax_graph.methods.moon import cosine_similarity
 from fedjax_graph.models import NodeClassifier
 from fedjax_graph.types import Array
 
@@ -48,6 +47,18 @@ def contrast_weight(round_index: Array, rounds: int) -> Array:
   return jnp.clip(1.0 - round_index / max(rounds - 1, 1), 0.0, 1.0).astype(jnp.float32)
 
 
+def prototype_cosines(z: Array, prototypes: Array, eps: float = 1e-8) -> Array:
+  """cos(z_i, P_c) f32[N, K] of embeddings z f32[N, H] and prototypes f32[K, H].
+
+  ``moon.cosine_similarity`` of every (row, prototype) pair, eps and all (a
+  zero row or prototype gives 0 with a finite gradient), but the dot products
+  are one [N, H] x [H, K] matmul: broadcasting to [N, K, H] made FedProc's
+  local step 1.5x FedProto's on Twitch.
+  """
+  squared_norms = jnp.sum(z * z, axis=-1)[:, None] * jnp.sum(prototypes * prototypes, axis=-1)
+  return (z @ prototypes.T) / jnp.sqrt(jnp.maximum(squared_norms, eps**2))
+
+
 def gpcl_loss(z: Array, y: Array, train_mask: Array, server: GlobalPrototypes,
               tau: float = 1.0) -> Array:
   """L_GPCL, the global prototypical contrastive loss, f32[].
@@ -59,7 +70,7 @@ def gpcl_loss(z: Array, y: Array, train_mask: Array, server: GlobalPrototypes,
   present class's the negatives. A node whose class has no prototype adds 0
   but counts in n_tr (as the reference code). 0 without prototypes.
   """
-  cosines = cosine_similarity(z[:, None, :], server.prototypes[None, :, :]) / tau  # [N, K]
+  cosines = prototype_cosines(z, server.prototypes) / tau
   log_p = jax.nn.log_softmax(jnp.where(server.present, cosines, _ABSENT), axis=-1)
   nll = -jnp.take_along_axis(log_p, y[:, None], axis=-1)[:, 0]
   return base.masked_mean(jnp.where(server.present[y], nll, 0.0), train_mask)
