@@ -183,7 +183,9 @@ def add_method_config_flag(parser: argparse.ArgumentParser, what: str) -> None:
   from fedjax_graph.methods import METHODS_FILE  # the methods' import cost only here
 
   parser.add_argument("--method-config", type=pathlib.Path, default=METHODS_FILE,
-                      help=f"YAML with {what} (default: configs/methods/defaults.yaml)")
+                      help=f"YAML with {what}; its entries replace those of "
+                           "configs/methods/defaults.yaml key by key (e.g. "
+                           "'hparams: {fgssl: {loss: code}}' changes one value)")
 
 
 def add_output_flags(parser: argparse.ArgumentParser) -> None:

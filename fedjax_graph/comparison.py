@@ -82,15 +82,11 @@ def check_methods(names: Sequence[str], aggregators: Sequence[str], config: Conf
   if len(set(aggregators)) != len(aggregators) or any(a not in AGGREGATORS for a in aggregators):
     raise ValueError(f"aggregators = {list(aggregators)}; choose from {', '.join(AGGREGATORS)}, "
                      "without repeats")
-  model = config.model(2)
   for name in defaults["hparams"]:  # the methods configured but not run, too: a typo shows now
     if name not in names:
-      try:
-        methods_lib.make_method(name, model, config, defaults["hparams"][name])
-      except ValueError as err:
-        raise ValueError(f"method config: hparams.{err}") from None
+      configured_method(name, config, defaults)
   for name in base_methods(names):
-    method = methods_lib.make_method(name, model, config, defaults["hparams"].get(name, {}))
+    method = configured_method(name, config, defaults)
     for aggregator in aggregators:
       if method.leaf_weights is not None and not aggregators_lib.get(aggregator).per_leaf:
         raise ValueError(f"{name} weighs each parameter tensor by its own client weights "
@@ -113,13 +109,25 @@ def row_label(method: str, aggregator: Optional[str] = None) -> str:
       (method, aggregator), f"{display}+{aggregators_lib.DISPLAY[aggregator]}")
 
 
+def configured_method(name: str, config: Config, defaults: Mapping) -> methods_lib.Method:
+  """Method ``name`` with its hyper-parameters from the method config ``defaults``.
+
+  Raises:
+    ValueError: for a bad hyper-parameter, naming the config's source (its
+      file), ``hparams.<method>``, the value and what is allowed.
+  """
+  try:
+    return methods_lib.make_method(name, config.model(2), config,
+                                   defaults["hparams"].get(name, {}))
+  except ValueError as err:  # "<method>: <what is wrong>"
+    raise ValueError(f"{defaults.get('source', 'method config')}: hparams.{err}") from None
+
+
 def _recipes(names: Sequence[str], config: Config, defaults: Mapping) -> dict[str, Mapping]:
   """``{method: Method.recipe}`` of the base methods among ``names`` that fix config fields."""
-  model = config.model(2)
   out = {}
   for name in base_methods(names):
-    recipe = methods_lib.make_method(name, model, config,
-                                     defaults["hparams"].get(name, {})).recipe
+    recipe = configured_method(name, config, defaults).recipe
     if recipe:
       out[name] = recipe
   return out
@@ -327,7 +335,8 @@ def run_reference(name: str, config: Config, federation: Federation, domain_grap
 def _checked(defaults: Optional[Mapping]) -> dict:
   if defaults is None:
     return methods_lib.method_defaults()
-  return methods_lib.check_method_config(dict(defaults))
+  sections = {key: value for key, value in defaults.items() if key != "source"}
+  return methods_lib.check_method_config(sections, defaults.get("source", "method config"))
 
 
 def _remove_previous(out_dir: pathlib.Path, keys: Sequence[str]) -> None:
@@ -506,7 +515,7 @@ def resume_table(out_dir: pathlib.Path, controls: RunControls = RunControls(),
   defaults = {"hparams": record["hparams"], "fedia": {
       "default": [0.5, 0.5], config.dataset: {config.setting: {
           m: [s["fedia"]["rho"], s["fedia"]["beta"]] for m, s in fixed.items() if "fedia" in s}}},
-      "aggregators": {}}
+      "aggregators": {}, "source": str(out_dir / "config.json")}
   for per_method in fixed.values():
     for aggregator, values in per_method.items():
       if aggregator != "fedia":

@@ -162,6 +162,12 @@ def converged(row: TableRow) -> bool:
   return row.status.startswith("ok")
 
 
+def _label(row: TableRow) -> str:
+  """The row's label, with the non-finite client updates it skipped where there were any."""
+  note = row.status[len("ok ("):-1] if row.status.startswith("ok (") else ""
+  return f"{row.label} ({note})" if note else row.label
+
+
 def validation_avg(result: RunResult, g: int, last: int) -> float:
   """Cell g's validation AVG (%): mean over seeds of the final-rounds mean."""
   return float(analysis.final_rounds(result.val_acc[:, g], last)[:, -1].mean())
@@ -230,7 +236,8 @@ def add_deltas(rows: Sequence[TableRow]) -> list[TableRow]:
 
   The base row of a method is its row of variant ``base``; FedAvg's is the
   one of method ``fedavg`` and variant ``base`` (never found by position).
-  Reference rows get only the change against FedAvg.
+  Reference rows get only the change against FedAvg. No change is taken
+  against a non-converged (NC) row: its numbers are not a learned model's.
 
   Raises:
     ValueError: if a non-base, non-reference row has no base row, or two
@@ -238,12 +245,13 @@ def add_deltas(rows: Sequence[TableRow]) -> list[TableRow]:
   """
   base = {r.method: r for r in rows if r.variant == "base"}
   fedavg = base.get("fedavg")
+  comparable = lambda other: other if other is not None and converged(other) else None
   out = []
   for row in rows:
     if row.variant not in ("base", REFERENCE) and row.method not in base:
       raise ValueError(f"{row.label}: no base row of method {row.method!r} to compare with")
-    own_base = None if row.variant in ("base", REFERENCE) else base[row.method]
-    versus_fedavg = None if row.method == "fedavg" and row.variant == "base" else fedavg
+    own_base = None if row.variant in ("base", REFERENCE) else comparable(base[row.method])
+    versus_fedavg = None if row.method == "fedavg" and row.variant == "base" else comparable(fedavg)
     pair = lambda other, metric: None if other is None else _paired(row, other, metric)
     out.append(row._replace(**{
         metric: getattr(row, metric)._replace(delta_base=pair(own_base, metric),
@@ -326,7 +334,7 @@ def _markdown_table(rows: Sequence[TableRow], domains: Sequence[str], metric: st
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for row in rows:
     if not converged(row):
-      cells = [row.label, _hparams(row), row.status] + [""] * (len(domains) + 1)
+      cells = [_label(row), _hparams(row), row.status] + [""] * (len(domains) + 1)
       lines.append("| " + " | ".join(cells) + " |")
       continue
     scores = getattr(row, metric)
@@ -335,7 +343,7 @@ def _markdown_table(rows: Sequence[TableRow], domains: Sequence[str], metric: st
       delta = _delta_text(scores.delta_base, j)
       values.append(_pm(scores.mean[j], scores.std[j]) + _marks(row, j)
                     + (f" {delta}" if delta else ""))
-    lines.append("| " + " | ".join([row.label, _hparams(row), *values,
+    lines.append("| " + " | ".join([_label(row), _hparams(row), *values,
                                     _delta_text(scores.delta_fedavg, -1)]) + " |")
   return lines
 
@@ -437,7 +445,7 @@ def _latex_table(rows: Sequence[TableRow], domains: Sequence[str], metric: str,
            r"\begin{tabular}{l" + "c" * (len(names) + 1) + "}", r"\toprule",
            "Method & " + " & ".join(names) + r" & $\Delta$ FedAvg \\", r"\midrule"]
   for i, row in enumerate(rows):
-    label = _latex_escape(row.label + (f" ({_hparams(row)})" if _hparams(row) else ""))
+    label = _latex_escape(_label(row) + (f" ({_hparams(row)})" if _hparams(row) else ""))
     if not converged(row):
       lines.append(f"{label} & \\multicolumn{{{len(names) + 1}}}{{c}}"
                    f"{{{_latex_escape(row.status)}}}" r" \\")

@@ -309,6 +309,12 @@ def test_make_method_rejects_bad_names_and_values(tiny):
     methods.make_method("fedopt", model, cfg, {"server_opt": "sgd"})
   with pytest.raises(ValueError, match="weights = 'size'"):
     methods.make_method("feddyn", model, cfg, {"weights": "size"})
+  with pytest.raises(ValueError, match=r"fedprox: mu = '0.1'; must be a number \(default 0.01\)"):
+    methods.make_method("fedprox", model, cfg, {"mu": "0.1"})
+  with pytest.raises(ValueError, match=r"fgssl: loss = 1; must be a string \(default 'paper'\)"):
+    methods.make_method("fgssl", model, cfg, {"loss": 1})
+  with pytest.raises(ValueError, match="fggp: prototype_pass = 'eval'; must be one of"):
+    methods.make_method("fggp", model, cfg, {"prototype_pass": "eval"})
   with pytest.raises(ValueError, match=r"participation = 0.0; must be in \(0, 1\]"):
     config.load_preset("wikinet", participation=0)
   with pytest.raises(ValueError, match="fedia_im: unknown hyper-parameter"):

@@ -71,6 +71,18 @@ def test_class_clusters_normalised_raw_means_and_absent_classes():
   close(clusters[1, 2], [0.0, 1.0])
 
 
+def test_class_clusters_ignore_a_nan_prototype_of_a_client_left_out():
+  # Client 2 diverged (NaN upload) and is left out (present False): no mean, hence no queue
+  # row, may see its NaN (a 0 weight would keep it: 0 * NaN = NaN).
+  protos = _unit([0, 10, 0])[:, None, :].repeat(2, axis=1).at[2].set(jnp.nan)
+  present = jnp.array([[True, True], [True, False], [False, False]])
+  clusters, valid = class_clusters(protos, present)
+  np.testing.assert_array_equal(valid, [[True, False, False], [True, False, False]])
+  assert np.isfinite(np.asarray(clusters)).all()
+  close(clusters[0, 0], _unit([5])[0])
+  close(clusters[1, 0], _unit([0])[0])
+
+
 def test_enqueue_wraps_around_and_keeps_the_last_q_rows():
   queue = fggp_server.Queue(jnp.zeros((5, 1)), jnp.zeros(5, jnp.int32), jnp.int32(3))
   rows = jnp.arange(1.0, 7.0)[:, None]
@@ -136,6 +148,12 @@ def test_candidates_are_edges_neighbours_and_self_loops_of_real_nodes_once_each(
   # A lone real node has no neighbour: found is False, only its self-loop is a candidate.
   _, found = knn_indices(FEATURES, jnp.array([True, False, False, False, False]), 1, 512)
   assert not found.any()
+  # More neighbours asked than the client has nodes: every other real node, the rest not found.
+  nearest, found = knn_indices(FEATURES, REAL, 7, 2)
+  assert nearest.shape == found.shape == (5, 7)
+  np.testing.assert_array_equal(found[:4], np.broadcast_to(np.arange(7) < 3, (4, 7)))
+  assert not found[4].any()
+  np.testing.assert_array_equal(np.sort(nearest[0, :3]), [1, 2, 3])
 
 
 def test_pair_graph_is_the_gcn_normalisation_and_the_sample_at_alpha_0_keeps_every_edge():
@@ -265,16 +283,27 @@ def _ctx(method, params, shard):
   return ctx._replace(prepared=_with_ctx(method.prepare)(ctx))
 
 
-def test_upload_is_keyed_by_class_id_with_absent_classes_zero(small):
-  cfg, model, method, params = small
+@pytest.mark.parametrize("prototype_pass", ["inference", "training"])
+def test_upload_is_keyed_by_class_id_with_absent_classes_zero(small, prototype_pass):
+  cfg, model, _, params = small
+  method = methods.make_method("fggp", model, cfg, {"alpha": 0.0,
+                                                    "prototype_pass": prototype_pass})
   # Nothing predicts class 1 either (node 4, not a training node, is pseudo-labelled).
   params = jax.tree_util.tree_map_with_path(
       lambda path, leaf: leaf.at[1].set(-100.0) if base.path_names(path) == (
           "params", "layer_2", "bias") else leaf, params)
   ctx = _ctx(method, params, _client_graph(8))
   state, (protos, present) = _with_ctx(method.client_final)(ctx, params, None)
-  hidden, logits = model.apply(params, ctx.graph.x, None, train=True, deterministic=True,
-                               with_hidden=True, groups=ctx.graph.node_domain, num_groups=1)
+  # The inference form of PMLP-GCN (the form of the kNN queries) propagates over the
+  # client's graph; the training form is the MLP.
+  inference = prototype_pass == "inference"
+  hidden, logits = model.apply(params, ctx.graph.x, ctx.graph if inference else None,
+                               train=not inference, deterministic=True, with_hidden=True,
+                               groups=ctx.graph.node_domain, num_groups=1)
+  other, _ = model.apply(params, ctx.graph.x, None if inference else ctx.graph,
+                         train=inference, deterministic=True, with_hidden=True,
+                         groups=ctx.graph.node_domain, num_groups=1)
+  assert np.abs(np.asarray(hidden[:5]) - np.asarray(other[:5])).max() > 1e-2  # the forms differ
   np.testing.assert_array_equal(present, [True, False, True])  # class 1: no node
   np.testing.assert_array_equal(protos[1], 0.0)
   # Node 4 (not training) enters with its own argmax and softmax confidence.

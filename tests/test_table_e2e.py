@@ -112,7 +112,17 @@ def test_the_method_config_is_checked_for_methods_not_run(tmp_path, capsys):
   bad.write_text("hparams: {fedavg: {weights: count}, fedspa: {weights: counts}}\n")
   err = usage_error("table", ["--dataset", "wikinet", "--methods", "fedavg", "--method-config",
                               str(bad), "--out", str(tmp_path / "t")], capsys)
-  assert "method config: hparams.fedspa: weights = 'counts'" in err
+  assert f"{bad}: hparams.fedspa: weights = 'counts'" in err
+  assert not (tmp_path / "t").exists()
+  # A method that runs: its bad value is named with the file and key too.
+  bad.write_text("hparams: {fgssl: {tau: -1}}\n")
+  err = usage_error("table", ["--dataset", "wikinet", "--methods", "fgssl", "--method-config",
+                              str(bad), "--out", str(tmp_path / "t")], capsys)
+  assert f"{bad}: hparams.fgssl: tau = -1; must be > 0" in err
+  bad.write_text("hparams: {fedproto: {lam: '1'}}\n")
+  err = usage_error("table", ["--dataset", "wikinet", "--methods", "fedproto", "--method-config",
+                              str(bad), "--out", str(tmp_path / "t")], capsys)
+  assert f"{bad}: hparams.fedproto: lam = '1'; must be a number (default 1.0)" in err
   assert not (tmp_path / "t").exists()
 
 

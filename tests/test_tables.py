@@ -207,6 +207,26 @@ def test_non_converged_rows_show_the_reason_not_numbers():
       rows, DOMAINS)
 
 
+def test_skipped_updates_are_named_in_the_row_and_no_change_is_taken_against_an_nc_base():
+  acc = np.full((1, 2, 2, 2), 0.5)
+  classes = np.full((1, 2, 2, 2), 2)
+  classes[0, 1] = 1  # the base cell predicts one class everywhere: NC
+  result = _result(acc, classes=classes)
+  nonfinite = np.zeros((1, 2, 2, 3), bool)
+  nonfinite[0, 0, 0, :2] = True  # the +FedIA cell left out 2 client updates in round 0
+  base, plus = _pair(result._replace(nonfinite=nonfinite), last=2)
+  assert plus.status == "ok (2 non-finite client updates skipped)"
+  assert plus.acc.delta_base is None and plus.acc.delta_fedavg is None
+  acc_md, _ = _tables(tables.to_markdown([base, plus], DOMAINS))
+  line = next(l for l in acc_md.splitlines() if l.startswith("| FedAvg+FedIA"))
+  assert line == ("| FedAvg+FedIA (2 non-finite client updates skipped) | ρ=0.3, β=0.7 | "
+                  "50.00±0.00 | 50.00±0.00 | 50.00±0.00 |  |")
+  assert "FedAvg+FedIA (2 non-finite client updates skipped) ($\\rho$=0.3" in tables.to_latex(
+      [base, plus], DOMAINS)
+  parsed = list(csv.DictReader(io.StringIO(tables.to_csv([base, plus], DOMAINS))))
+  assert parsed[1]["AVG_delta_base"] == "" and parsed[1]["delta_fedavg"] == ""
+
+
 def test_select_val_picks_the_best_validation_cell_not_the_best_test_cell():
   # Cells: three FedIA cells then the base. Test favours cell 0, validation cell 2.
   test = np.array([[[[0.9, 0.9]], [[0.5, 0.5]], [[0.4, 0.4]], [[0.3, 0.3]]]])
@@ -286,3 +306,21 @@ def test_method_config_errors_name_the_file_and_key():
     check({"fedia": {"twitch": {"s1": {"moon": ["a", 0.5]}}}})
   ok = check({"hparams": {"fedprox": {"mu": 0.1}}})
   assert ok["fedia"]["default"] == (0.5, 0.5) and ok["hparams"]["fedprox"] == {"mu": 0.1}
+
+
+def test_a_method_config_file_replaces_the_shipped_values_key_by_key(tmp_path):
+  from fedjax_graph import methods
+  shipped = methods.method_defaults()
+  mine = tmp_path / "mine.yaml"
+  mine.write_text("hparams: {fgssl: {loss: code}}\nfedia: {twitch: {s1: {fedavg: [0.3, 0.7]}}}\n")
+  merged = methods.method_defaults(mine)
+  assert merged["source"] == str(mine) and shipped["source"] == str(methods.METHODS_FILE)
+  assert merged["hparams"]["fgssl"] == {**shipped["hparams"]["fgssl"], "loss": "code"}
+  assert merged["hparams"]["fedprox"] == shipped["hparams"]["fedprox"]
+  s1 = merged["fedia"]["twitch"]["s1"]
+  assert tuple(s1["fedavg"]) == (0.3, 0.7) and s1["fedprox"] == shipped["fedia"]["twitch"]["s1"]["fedprox"]
+  assert merged["fedia"]["twitch"]["s3"] == shipped["fedia"]["twitch"]["s3"]
+  assert merged["aggregators"] == shipped["aggregators"]
+  mine.write_text("fgssl: {loss: code}\n")  # the section left out: an unknown key, named
+  with pytest.raises(ValueError, match=r"mine.yaml: unknown key\(s\) \['fgssl'\]"):
+    methods.method_defaults(mine)

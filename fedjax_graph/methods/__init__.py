@@ -109,6 +109,15 @@ def run_hparams(name: str, hparams: Optional[Mapping[str, Any]], rounds: int) ->
   return out
 
 
+def _check_type(method: str, key: str, value: Any, default: Any) -> None:
+  """Raises a ValueError naming ``method.key`` when ``value`` is not of its default's kind (number, text)."""
+  is_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+  if is_number(default) and not is_number(value):
+    raise ValueError(f"{method}: {key} = {value!r}; must be a number (default {default!r})")
+  if isinstance(default, str) and not isinstance(value, str):
+    raise ValueError(f"{method}: {key} = {value!r}; must be a string (default {default!r})")
+
+
 def make_method(name: str, model: NodeClassifier, config: Config,
                 hparams: Optional[Mapping[str, Any]] = None) -> Method:
   """The method called ``name`` with ``hparams`` over its defaults.
@@ -121,13 +130,16 @@ def make_method(name: str, model: NodeClassifier, config: Config,
     raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
   factory = REGISTRY[name]
   hparams = dict(hparams or {})
-  allowed = list(inspect.signature(factory).parameters)[2:]
+  parameters = inspect.signature(factory).parameters
+  allowed = list(parameters)[2:]
   unknown = sorted(set(hparams) - set(allowed))
   if unknown:
     raise ValueError(f"{name}: unknown hyper-parameter(s) {unknown}; valid: {allowed}")
+  for key, value in hparams.items():
+    _check_type(name, key, value, parameters[key].default)
   try:
     return factory(model, config, **hparams)
-  except TypeError as err:  # e.g. mu: "0.01" compared with 0
+  except TypeError as err:  # a type the defaults do not tell, e.g. of a parameter without one
     raise ValueError(f"{name}: a hyper-parameter has the wrong type in {hparams} ({err})")
   except ValueError as err:  # most factories' messages name the value, not the method
     if str(err).startswith(f"{name}:"):

@@ -3,7 +3,8 @@
 ``configs/methods/defaults.yaml`` holds each method's defaults from its own
 paper, the paper's Table 7 (rho, beta) and the hyper-parameters of the other
 aggregators a table can put next to a method (GMA, FedHEAL);
-``table.py --method-config FILE`` reads another file of the same shape.
+``table.py --method-config FILE`` reads a file of the same shape whose
+entries replace the shipped file's, key by key.
 """
 
 import pathlib
@@ -15,25 +16,42 @@ from fedjax_graph.config import CONFIG_DIR, load_yaml
 METHODS_FILE = CONFIG_DIR / "methods" / "defaults.yaml"
 
 
+def _read(path: pathlib.Path):
+  with open(path) as f:
+    try:
+      return load_yaml(f)
+    except yaml.YAMLError as err:
+      raise ValueError(f"{path}: not valid YAML ({err})")
+
+
+def _merged(shipped, given):
+  """``given`` over ``shipped``: mappings merged key by key, anything else (a value, a pair) replaced."""
+  if not isinstance(shipped, dict) or not isinstance(given, dict):
+    return given
+  return {**shipped, **{key: _merged(shipped.get(key), value) for key, value in given.items()}}
+
+
 def method_defaults(path: pathlib.Path = METHODS_FILE) -> dict:
-  """Reads and checks a method config (default ``configs/methods/defaults.yaml``).
+  """Reads and checks a method config over the shipped one (``configs/methods/defaults.yaml``).
 
   The file maps ``hparams`` to ``{method: {name: value}}`` (methods left out
   take the functions' defaults), ``fedia`` to ``{default: [rho, beta],
   <dataset>: {<setting>: {method: [rho, beta]}}}`` and ``aggregators`` to
   ``{aggregator: {name: value}}`` (e.g. ``gma: {tau: 0.1}``; left out: the
   aggregator's defaults). Floats are read as YAML 1.2 does (``1e-5`` is a
-  number).
+  number). A file other than the shipped one replaces the shipped values
+  key by key: ``hparams: {fgssl: {loss: code}}`` changes FGSSL's loss and
+  keeps every other value, the paper's Table 7 (rho, beta) included.
 
   Raises:
     ValueError: naming the file and the key of the first bad entry.
     OSError: if the file cannot be read.
   """
-  with open(path) as f:
-    try:
-      raw = load_yaml(f)
-    except yaml.YAMLError as err:
-      raise ValueError(f"{path}: not valid YAML ({err})")
+  raw = _read(path)
+  if pathlib.Path(path).resolve() != METHODS_FILE.resolve():
+    if not isinstance(raw, dict) or not raw:  # checked as the user wrote it, not merged
+      return check_method_config(raw, str(path))
+    raw = _merged(_read(METHODS_FILE), raw)
   return check_method_config(raw, str(path))
 
 
@@ -52,6 +70,10 @@ def _pair(value, where: str) -> tuple[float, float]:
 
 def check_method_config(raw, source: str = "method config") -> dict:
   """Checks a method config's structure (see ``method_defaults``); returns it, defaults filled.
+
+  The result also holds ``source``, the name later errors about its values
+  give (``comparison.check_methods`` checks each method's hyper-parameters
+  against its factory).
 
   Raises:
     ValueError: naming ``source`` and the key of the first bad entry.
@@ -97,4 +119,4 @@ def check_method_config(raw, source: str = "method config") -> dict:
       cells_lib.cell(name, **mapping(values, f"aggregators.{name}"))
     except (ValueError, TypeError) as err:
       raise ValueError(f"{where}: {err}")
-  return {"hparams": hparams, "fedia": fedia, "aggregators": others}
+  return {"hparams": hparams, "fedia": fedia, "aggregators": others, "source": source}

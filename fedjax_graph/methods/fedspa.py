@@ -131,7 +131,7 @@ def fedspa(model: NodeClassifier, config: Config, hbda: bool = True, proxy_rate:
   FedSPA's exchange standard, but its server reads these from the clients'
   data, which a federated client must upload instead): ``{"homophily":
   f32[], "fisher": {"fr": tuple, "be": tuple}}``, 1 + 2 * sum over layers of
-  2 * width floats (532 for 2 layers, hidden 128, 5 classes):
+  2 * width floats (533 for 2 layers, hidden 128, 5 classes):
 
     * S_k, ``homophily_proxy`` of the client's own features and edges, a
       fixed ``proxy_rate`` share of the columns drawn with

@@ -42,6 +42,8 @@ from fedjax_graph.types import Array
 
 # float32's eps, as pyro's clamp_probs: keeps logit(p) finite where S = 0 or P = 1.
 _EPS = float(jnp.finfo(jnp.float32).eps)
+# Which form of the backbone gives the uploaded prototypes (``fggp``'s ``prototype_pass``).
+PROTOTYPE_PASSES = ("inference", "training")
 # Rows of the cosine-similarity matrix computed at once by ``knn_indices``.
 KNN_BLOCK = 512
 
@@ -76,12 +78,13 @@ def knn_indices(features: Array, real: Array, neighbours: int,
 
   Returns:
     (nearest i32[N, k], found bool[N, k]): ``found`` is False where fewer
-    than k other real nodes exist. Similarities are compared rounded to 5
+    than k other real nodes exist (k may exceed N). Similarities are compared rounded to 5
     decimals, so float noise (a batched and an unbatched product differ in
     the last bits) cannot flip a near-tie, e.g. between the all-zero features
     of dead ReLUs; exact ties go to the lower index (top_k's rule).
   """
   n = features.shape[0]
+  searched = min(neighbours, n)
   unit = fggp_server._normalise(features)
   block = min(block, n)
   blocks = -(-n // block)
@@ -90,11 +93,13 @@ def knn_indices(features: Array, real: Array, neighbours: int,
   def one_block(index):
     similarity = jnp.round(unit[jnp.minimum(index, n - 1)] @ unit.T, 5)
     others = real[None, :] & (jnp.arange(n)[None, :] != index[:, None])
-    return jax.lax.top_k(jnp.where(others, similarity, -jnp.inf), neighbours)
+    return jax.lax.top_k(jnp.where(others, similarity, -jnp.inf), searched)
 
   top, nearest = jax.lax.map(one_block, rows)
-  top, nearest = top.reshape(-1, neighbours)[:n], nearest.reshape(-1, neighbours)[:n]
-  return nearest.astype(jnp.int32), (top > -jnp.inf) & real[:, None]
+  top, nearest = top.reshape(-1, searched)[:n], nearest.reshape(-1, searched)[:n]
+  missing = ((0, 0), (0, neighbours - searched))  # k > N: no more candidates to find
+  top = jnp.pad(top, missing, constant_values=-jnp.inf)
+  return jnp.pad(nearest, missing).astype(jnp.int32), (top > -jnp.inf) & real[:, None]
 
 
 def candidate_pairs(senders: Array, receivers: Array, nearest: Array, found: Array,
@@ -287,7 +292,7 @@ def pseudo_labelled(logits: Array, y: Array, train_mask: Array, real: Array) -> 
 def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float = 0.5,
          alpha: float = 0.5, temperature: float = 1.0, negatives: int = 4,
          queue_per_class: int = 20, k: int = 40, knn_temperature: float = 0.1,
-         weights: str = "count") -> base.Method:
+         prototype_pass: str = "inference", weights: str = "count") -> base.Method:
   """FGGP (Wan, Huang, Ye, AAAI 2024) as its public code does it, with fixed shapes.
 
   Defaults are the code's (main_graph.py; the paper's text was not
@@ -338,7 +343,15 @@ def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float 
   Upload: ``(prototypes f32[K, H], present bool[K])`` of the final local
   model (deterministic pass over all real nodes, its own pseudo-labels; the
   code uses the last step's pre-update logits), keyed by class id (the code
-  keys them by row, which shifts class ids when a class is missing).
+  keys them by row, which shifts class ids when a class is missing). The
+  pass is the backbone's inference form (``prototype_pass: inference``, the
+  default): the form of the global model's features that query the queue at
+  evaluation (and that build the kNN view in ``prepare``), so prototypes and
+  queries share one space, as in the code, whose PMLP_GCN propagates in
+  training and inference alike (FGL_METHODS.md §0.3). With PMLP-GCN that
+  form propagates over the client's graph; ``training`` takes the training
+  form instead (PMLP-GCN: the MLP, no propagation), the form of this
+  project's FGGP tables before the default changed.
 
   Server: the descent step for the model (the aggregator's update, in which
   the classifier's is 0); per class FINCH over the participants'
@@ -369,7 +382,9 @@ def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float 
       ("queue_per_class", queue_per_class,
        isinstance(queue_per_class, int) and queue_per_class >= 1, "an int >= 1"),
       ("k", k, isinstance(k, int) and k >= 1, "an int >= 1"),
-      ("knn_temperature", knn_temperature, knn_temperature > 0, "> 0")):
+      ("knn_temperature", knn_temperature, knn_temperature > 0, "> 0"),
+      ("prototype_pass", prototype_pass, prototype_pass in PROTOTYPE_PASSES,
+       f"one of {PROTOTYPE_PASSES}")):
     base.check(ok, "fggp", name, value, allowed)
   num_classes, hidden_dim = model.num_classes, model.hidden
   head = f"layer_{model.num_layers - 1}"
@@ -441,7 +456,8 @@ def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float 
     return jnp.zeros((), jnp.float32)  # view 1's CE is in local_loss (over the whole graph)
 
   def client_final(ctx, params, update):
-    hidden, logits = full_pass(params, ctx, train=True, deterministic=True)
+    hidden, logits = full_pass(params, ctx, train=prototype_pass == "training",
+                               deterministic=True)
     labels, confidence = pseudo_labelled(logits, ctx.graph.y, ctx.graph.train, real_nodes(ctx))
     protos, mass = prototypes.class_prototypes(hidden, labels, confidence, num_classes)
     return base.select(params, is_head), (protos, mass > 0)
@@ -460,7 +476,8 @@ def fggp(model: NodeClassifier, config: Config, neighbours: int = 3, tau: float 
 
   hparams = {"neighbours": neighbours, "tau": tau, "alpha": alpha, "temperature": temperature,
              "negatives": negatives, "queue_per_class": queue_per_class, "k": k,
-             "knn_temperature": knn_temperature, "weights": weights}
+             "knn_temperature": knn_temperature, "prototype_pass": prototype_pass,
+             "weights": weights}
   return base.Method("fggp", hparams, base.weights_uniform(weights), init, prepare, local_loss,
                      client_final, server_step, ce_weight=ce_weight, needs_graph=True,
                      personal_leaves=is_head, personalise=personalise,

@@ -81,10 +81,15 @@ def first_neighbour_partition(points: Array, valid: Array) -> Array:
 
 
 def _cluster_means(points: Array, members: Array, labels: Array) -> tuple[Array, Array]:
-  """Slot j: the mean of the member points labelled j (f32[C, H]), and whether it has any (bool[C])."""
+  """Slot j: the mean of the member points labelled j (f32[C, H]), and whether it has any (bool[C]).
+
+  Rows off ``members`` never reach a mean, not even a NaN one (a client left
+  out for a non-finite update): a weight of 0 would keep it (0 * NaN = NaN).
+  """
   n = points.shape[0]
   onehot = jax.nn.one_hot(labels, n, dtype=points.dtype) * members[:, None]
   count = jnp.sum(onehot, axis=0)
+  points = jnp.where(members[:, None], points, 0.0)
   return onehot.T @ points / jnp.maximum(count, 1.0)[:, None], count > 0
 
 
