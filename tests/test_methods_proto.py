@@ -206,7 +206,7 @@ def test_hyper_parameters_are_checked(cfg):
   with pytest.raises(ValueError, match="fedproc: tau = 0; must be > 0"):
     methods.make_method("fedproc", model, cfg, {"tau": 0})
   for rounds in (0, 200.0, True):
-    with pytest.raises(ValueError, match="fedproc: rounds = .*; must be an integer >= 1"):
+    with pytest.raises(ValueError, match="fedproc: rounds = .*; must be an integer"):
       methods.make_method("fedproc", model, cfg, {"rounds": rounds})
   defaults = methods.method_defaults()["hparams"]
   assert defaults["fedproto"] == {"lam": 1.0, "weights": "count"}

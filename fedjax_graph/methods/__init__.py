@@ -110,12 +110,20 @@ def run_hparams(name: str, hparams: Optional[Mapping[str, Any]], rounds: int) ->
 
 
 def _check_type(method: str, key: str, value: Any, default: Any) -> None:
-  """Raises a ValueError naming ``method.key`` when ``value`` is not of its default's kind (number, text)."""
-  is_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-  if is_number(default) and not is_number(value):
-    raise ValueError(f"{method}: {key} = {value!r}; must be a number (default {default!r})")
-  if isinstance(default, str) and not isinstance(value, str):
-    raise ValueError(f"{method}: {key} = {value!r}; must be a string (default {default!r})")
+  """Raises a ValueError naming ``method.key`` when ``value`` is not of its default's kind.
+
+  Kinds: true/false, an integer, a number (an integer too), a string; a
+  parameter without a default is left to its factory.
+  """
+  kinds = ((bool, lambda v: isinstance(v, bool), "true or false"),
+           (int, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+           (float, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+           (str, lambda v: isinstance(v, str), "a string"))
+  for kind, ok, name in kinds:
+    if isinstance(default, kind):  # bool first: True is an int too
+      if not ok(value):
+        raise ValueError(f"{method}: {key} = {value!r}; must be {name} (default {default!r})")
+      return
 
 
 def make_method(name: str, model: NodeClassifier, config: Config,
