@@ -458,8 +458,14 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
            "select": select, "seeds": [int(s) for s in seeds], "rounds": rounds,
            "chunk": controls.chunk}
   # Recorded beside the given ones (which the checkpoints' fingerprints hash): each
-  # method's every hyper-parameter, its factory's defaults included.
+  # method's every hyper-parameter, its factory's defaults included. A method
+  # that finished before a resume keeps what was recorded then: a factory
+  # default may have changed since, and its run did not see the change.
   in_effect = {m: methods_lib.hparams_in_effect(m, hparams[m]) for m in methods}
+  if controls.resume and (out_dir / "config.json").exists():
+    recorded = json.loads((out_dir / "config.json").read_text()).get("hparams_in_effect", {})
+    in_effect.update({m: recorded[m] for m in methods
+                      if m in recorded and _run_path(out_dir, m).exists()})
   record = _record(setup, federation, meta, controls, last=last, hparams_in_effect=in_effect,
                    **earlier_plans(out_dir, controls.resume))
   report.write_json(out_dir / "config.json", record)

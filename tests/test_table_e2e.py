@@ -162,10 +162,19 @@ def test_table_resume_equals_uninterrupted(tiny_config, tiny_wikinet, tmp_path, 
   assert len(partial) == 3 and partial == (whole / "table.csv").read_text().splitlines()[:3]
   assert "not finished: scaffold" in (tmp_path / "cut" / "partial.md").read_text()
   assert not (tmp_path / "cut" / "table.md").exists()  # still an unfinished run
+  # As if a factory default had changed since the start: the finished method keeps what was
+  # recorded when it ran, the unfinished one records what it runs with now.
+  started = json.loads((tmp_path / "cut" / "config.json").read_text())
+  in_effect = started["hparams_in_effect"]
+  for name in ("fedavg", "scaffold"):
+    started["hparams_in_effect"][name] = {**in_effect[name], "older_default": 1}
+  (tmp_path / "cut" / "config.json").write_text(json.dumps(started))
   comparison.resume_table(tmp_path / "cut", controls, domain_graphs=tiny_wikinet)
   assert not (tmp_path / "cut" / "partial.md").exists()  # superseded by the finished table
-  # The first call's plans are kept: fedavg's, and scaffold's that the resumed call replaced.
   record = json.loads((tmp_path / "cut" / "config.json").read_text())
+  assert record["hparams_in_effect"]["fedavg"]["older_default"] == 1
+  assert "older_default" not in record["hparams_in_effect"]["scaffold"]
+  # The first call's plans are kept: fedavg's, and scaffold's that the resumed call replaced.
   assert {k: p["first_round"] for k, p in record["batches"].items()} == {"fedavg": 0,
                                                                          "scaffold": 2}
   assert [(p["run"], p["first_round"]) for p in record["earlier_batches"]] == [("scaffold", 0)]
