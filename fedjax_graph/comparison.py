@@ -463,7 +463,7 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
   # default may have changed since, and its run did not see the change.
   in_effect = {m: methods_lib.hparams_in_effect(m, hparams[m]) for m in methods}
   if controls.resume and (out_dir / "config.json").exists():
-    recorded = json.loads((out_dir / "config.json").read_text()).get("hparams_in_effect", {})
+    recorded = read_record(out_dir, "methods").get("hparams_in_effect", {})
     in_effect.update({m: recorded[m] for m in methods
                       if m in recorded and _run_path(out_dir, m).exists()})
   record = _record(setup, federation, meta, controls, last=last, hparams_in_effect=in_effect,

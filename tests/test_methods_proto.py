@@ -205,8 +205,10 @@ def test_hyper_parameters_are_checked(cfg):
     methods.make_method("fedproto", model, cfg, {"lam": -1})
   with pytest.raises(ValueError, match="fedproc: tau = 0; must be > 0"):
     methods.make_method("fedproc", model, cfg, {"tau": 0})
-  for rounds in (0, 200.0, True):
-    with pytest.raises(ValueError, match="fedproc: rounds = .*; must be an integer"):
+  with pytest.raises(ValueError, match="fedproc: rounds = 0; must be an integer >= 1"):
+    methods.make_method("fedproc", model, cfg, {"rounds": 0})
+  for rounds in (200.0, True):  # the wrong kind, named before the factory's own check
+    with pytest.raises(ValueError, match=r"fedproc: rounds = .*; must be an integer \(default"):
       methods.make_method("fedproc", model, cfg, {"rounds": rounds})
   defaults = methods.method_defaults()["hparams"]
   assert defaults["fedproto"] == {"lam": 1.0, "weights": "count"}
