@@ -13,6 +13,7 @@ import logging
 import os
 import pathlib
 import tempfile
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -261,12 +262,21 @@ def load_domain(prepared_dir: str | os.PathLike, domain: str) -> dict[str, np.nd
 
     Raises:
         FileNotFoundError: the folder is not prepared.
-        ValueError: ``domain`` is not one of the dataset's domains (valid ones listed).
+        ValueError: ``domain`` is not one of the dataset's domains (valid ones listed), or
+            its file is damaged (named, with the way to rebuild it).
     """
     prepared_dir = pathlib.Path(prepared_dir)
     meta = load_meta(prepared_dir)
     if domain not in meta["domains"]:
         raise ValueError(f"unknown domain {domain!r} for dataset {meta['dataset']!r}; "
                          f"valid domains: {', '.join(meta['domains'])}")
-    with np.load(prepared_dir / f"{domain}.npz", allow_pickle=False) as data:
-        return {key: data[key] for key in ("x", "y", "edge_index")}
+    path = prepared_dir / f"{domain}.npz"
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {key: data[key] for key in ("x", "y", "edge_index")}
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as err:
+        # A truncated or edited cache file: name it and the way out, not numpy's internals.
+        raise ValueError(f"{path}: damaged prepared file ({type(err).__name__}: {err}); delete "
+                         f"{prepared_dir} or run `python -m data_prep --force`") from err

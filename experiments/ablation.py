@@ -17,7 +17,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from fedjax_graph import cli, methods  # noqa: E402
-from fedjax_graph.comparison import AGGREGATORS, resume_ablation, run_ablation  # noqa: E402
+from fedjax_graph.comparison import (AGGREGATORS, resume_ablation, run_ablation,  # noqa: E402
+                                     unmatched_setting_note)
 from fedjax_graph.rundir import default_out_dir  # noqa: E402
 
 
@@ -52,8 +53,12 @@ def main(argv=None):
       parser.error(f"settings = {args.settings}; give at least one, without repeats")
     configs = [cli.config_from_args(parser, args, s) for s in args.settings]
     args.out = args.out or default_out_dir(configs[0], "ablation")  # so that Ctrl-C can name it
-    return run_ablation(configs, args.seeds, args.rounds, cli.last_from_args(args),
-                        methods.method_defaults(args.method_config),
+    defaults = methods.method_defaults(args.method_config)
+    for config in configs:
+      note = unmatched_setting_note(defaults, config.dataset, config.setting)
+      if note:
+        print(f"note: {note}", file=sys.stderr)
+    return run_ablation(configs, args.seeds, args.rounds, cli.last_from_args(args), defaults,
                         cli.run_controls(args, nonfinite="skip"), aggregators=args.aggregators)
 
   cli.guarded(parser, run, args)

@@ -19,8 +19,9 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from fedjax_graph import cli, methods, references  # noqa: E402
-from fedjax_graph.comparison import (AGGREGATORS, SELECTIONS, finished_rows,  # noqa: E402
-                                     recipe_overrides, resume_table, run_table)
+from fedjax_graph.comparison import (AGGREGATORS, SELECTIONS, check_methods,  # noqa: E402
+                                     finished_rows, recipe_overrides, resume_table, run_table,
+                                     unmatched_setting_note)
 from fedjax_graph.rundir import default_out_dir  # noqa: E402
 
 
@@ -62,8 +63,11 @@ def main(argv=None):
     config = cli.config_from_args(parser, args)
     args.out = args.out or default_out_dir(config, "table")  # so that Ctrl-C can name it
     defaults = methods.method_defaults(args.method_config)
-    for line in recipe_overrides(args.methods, config, defaults, cli.preset_overrides(args)):
-      print(f"note: {line}", file=sys.stderr)
+    check_methods(args.methods, args.aggregators, config, defaults)  # before any note on them
+    notes = recipe_overrides(args.methods, config, defaults, cli.preset_overrides(args))
+    for line in notes + [unmatched_setting_note(defaults, config.dataset, config.setting)]:
+      if line:
+        print(f"note: {line}", file=sys.stderr)
     return run_table(config, args.methods, args.seeds, args.rounds, cli.last_from_args(args),
                      args.select, args.aggregators, defaults,
                      cli.run_controls(args, nonfinite="skip"))

@@ -59,6 +59,22 @@ def aggregator_setting(defaults: Mapping, dataset: str, setting: str, method: st
            **defaults.get("aggregators", {}).get(aggregator, {})}.items()}
 
 
+def unmatched_setting_note(defaults: Mapping, dataset: str, setting: str) -> Optional[str]:
+  """A line for a method config whose ``fedia.<dataset>`` lists settings but not this one.
+
+  A misspelt setting key (``defualt``, ``S1``) would otherwise leave every
+  "+FedIA" row on ``fedia.default`` unnoticed. Not an error: a ``--config``
+  file may name a setting of its own, which the table may lack on purpose.
+  """
+  listed = defaults["fedia"].get(dataset) or {}
+  if not listed or setting in listed:
+    return None
+  rho, beta = defaults["fedia"]["default"]
+  return (f"{defaults.get('source', 'method config')}: fedia.{dataset} has no entry for "
+          f"setting {setting!r} (it lists {', '.join(map(str, sorted(listed)))}), so FedIA runs "
+          f"with fedia.default (rho={rho:g}, beta={beta:g})")
+
+
 def base_methods(names: Sequence[str]) -> list[str]:
   """The federated methods among ``names`` (the references left out)."""
   return [n for n in names if n not in references.REFERENCES]

@@ -424,6 +424,17 @@ def test_unknown_names_list_valid_ones(tmp_path):
         data_prep.load_meta(tmp_path / "empty")
 
 
+def test_a_damaged_prepared_file_is_named(tmp_path):
+    _fake_raw(tmp_path / "raw", "wikinet")
+    out = data_prep.prepare("wikinet", raw_dir=tmp_path / "raw", cache_dir=tmp_path, verify=False)
+    path = out / "squirrel.npz"
+    path.write_bytes(path.read_bytes()[:100])  # truncated, as by a full disk
+    with pytest.raises(ValueError, match=r"squirrel.npz: damaged prepared file \(BadZipFile.*"
+                                         r"python -m data_prep --force"):
+        data_prep.load_domain(out, "squirrel")
+    assert data_prep.load_domain(out, "chameleon")["x"].shape[1] == 128
+
+
 def test_public_api_and_no_jax():
     assert data_prep.DATASETS == {"twitch": ("DE", "EN", "ES", "FR", "PT", "RU"),
                                   "wikinet": ("chameleon", "squirrel", "crocodile")}

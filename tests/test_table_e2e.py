@@ -96,6 +96,9 @@ def test_the_five_fgl_baselines_in_one_table_on_real_wikinet(raw_dir, prepared_c
 def test_table_usage_errors(capsys):
   assert "unknown method 'fedsgd'" in usage_error(
       "table", ["--dataset", "wikinet", "--methods", "fedavg,fedsgd"], capsys)
+  err = usage_error("table", ["--dataset", "wikinet", "--methods", "fedprotoo"], capsys)
+  assert "unknown method 'fedprotoo'; choose from fedavg" in err  # not the shipped YAML's key
+  assert "majority, local, centralized" in err and "hparams" not in err
   assert "invalid choice: 'best'" in usage_error(
       "table", ["--dataset", "wikinet", "--select", "best"], capsys)
   assert "methods = ['fedavg', 'fedavg']; give at least one, without repeats" in usage_error(

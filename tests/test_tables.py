@@ -304,8 +304,27 @@ def test_method_config_errors_name_the_file_and_key():
     check({"fedia": {"twitch": {"s1": {"moon": [1.5, 0.5]}}}})
   with pytest.raises(ValueError, match="fedia.twitch.s1.moon = \\['a', 0.5\\]"):
     check({"fedia": {"twitch": {"s1": {"moon": ["a", 0.5]}}}})
+  with pytest.raises(ValueError, match="my.yaml: fedia.twich: unknown dataset; choose from "
+                                       "twitch, wikinet"):
+    check({"fedia": {"twich": {"s1": {"moon": [0.5, 0.5]}}}})
   ok = check({"hparams": {"fedprox": {"mu": 0.1}}})
   assert ok["fedia"]["default"] == (0.5, 0.5) and ok["hparams"]["fedprox"] == {"mu": 0.1}
+
+
+def test_a_setting_the_fedia_table_lacks_is_named():
+  from fedjax_graph import comparison, methods
+  mine = methods.check_method_config({"fedia": {"wikinet": {"defualt": {"fedavg": [0.9, 0.9]}}}},
+                                     "my.yaml")
+  note = comparison.unmatched_setting_note(mine, "wikinet", "default")
+  assert note == ("my.yaml: fedia.wikinet has no entry for setting 'default' (it lists defualt), "
+                  "so FedIA runs with fedia.default (rho=0.5, beta=0.5)")
+  assert comparison.aggregator_setting(mine, "wikinet", "default", "fedavg", "fedia") == {
+      "rho": 0.5, "beta": 0.5}  # what the note says
+  assert comparison.unmatched_setting_note(mine, "wikinet", "defualt") is None
+  assert comparison.unmatched_setting_note(mine, "twitch", "s1") is None  # nothing listed
+  shipped = methods.method_defaults()
+  assert all(comparison.unmatched_setting_note(shipped, "twitch", s) is None
+             for s in ("s1", "s2", "s3"))
 
 
 def test_a_method_config_file_replaces_the_shipped_values_key_by_key(tmp_path):

@@ -85,6 +85,7 @@ def check_method_config(raw, source: str = "method config") -> dict:
       raise ValueError(f"{source}: {where} must be a mapping, got {value!r}")
     return value
 
+  from data_prep.registry import DATASETS
   from fedjax_graph import cells as cells_lib
   from fedjax_graph.methods import METHODS  # the registry imports this module
 
@@ -106,6 +107,9 @@ def check_method_config(raw, source: str = "method config") -> dict:
   for dataset, settings in fedia.items():
     if dataset == "default":
       continue
+    if dataset not in DATASETS:
+      raise ValueError(f"{source}: fedia.{dataset}: unknown dataset; choose from "
+                       f"{', '.join(sorted(DATASETS))} (or 'default')")
     for setting, table in mapping(settings, f"fedia.{dataset}").items():
       for name, pair in mapping(table, f"fedia.{dataset}.{setting}").items():
         where = f"{source}: fedia.{dataset}.{setting}.{name}"
