@@ -395,7 +395,8 @@ def _record(setup: Mapping, federation: Federation, meta: Mapping, controls: Run
 def _prepare(config: Config, seeds, controls: RunControls, domain_graphs, kind: str):
   """The output folder (refusing to clobber a run), the data, and its meta."""
   out_dir = controls.out_dir or default_out_dir(config, kind)
-  prepare_out_dir(out_dir, controls.resume, controls.overwrite, finished_marker=FINISHED)
+  prepare_out_dir(out_dir, controls.resume, controls.overwrite, finished_marker=FINISHED,
+                  record_key={"table": "methods", "ablation": "ablation"}[kind])
   meta = {}
   if domain_graphs is None:
     domain_graphs, meta = load_dataset(config.dataset, controls.raw_dir, controls.cache_dir,

@@ -49,8 +49,13 @@ CHECKPOINT = "checkpoint.msgpack"
 
 
 def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
-                    finished_marker: str = "summary.csv", resumable: bool = True) -> None:
+                    finished_marker: str = "summary.csv", resumable: bool = True,
+                    record_key: Optional[str] = None) -> None:
   """Refuses to clobber a run: a finished one needs ``overwrite``, an unfinished one ``resume``.
+
+  With ``record_key`` (the key only this tool's config.json holds: ``grid``,
+  ``methods``, ``ablation``), a folder of another tool is refused even with
+  ``overwrite``: its outputs have other names and would stay beside the new ones.
 
   Nothing is deleted here: with ``overwrite``, the caller removes its own
   outputs (``remove_outputs``) once the data has loaded, and makes the
@@ -63,6 +68,11 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
   """
   if not is_writer():
     return
+  if record_key is not None and (out_dir / "config.json").exists():
+    try:
+      read_record(out_dir, record_key)
+    except ValueError as err:
+      raise ValueError(f"{err}; choose another --out") from None
   finished = (out_dir / finished_marker).exists()
   unfinished = not finished and ((out_dir / CHECKPOINT).exists()
                                  or (out_dir / "config.json").exists())

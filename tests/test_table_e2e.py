@@ -110,6 +110,27 @@ def test_table_usage_errors(capsys):
   assert "holds no config.json" in usage_error("table", ["--rows-so-far", "/nonexistent"], capsys)
 
 
+def test_another_tools_folder_is_refused_even_with_overwrite(tmp_path, capsys):
+  grid_dir = tmp_path / "grid"
+  grid_dir.mkdir()
+  (grid_dir / "config.json").write_text(json.dumps({"grid": {"rho": [0.5]}, "status": "finished"}))
+  (grid_dir / "summary.csv").write_text("x\n")
+  for extra in ([], ["--overwrite"], ["--resume", str(grid_dir)]):
+    argv = (["--resume", str(grid_dir)] if extra[:1] == ["--resume"] else
+            ["--dataset", "wikinet", "--methods", "fedavg", "--out", str(grid_dir)] + extra)
+    err = usage_error("table", argv, capsys)
+    assert f"{grid_dir} holds another kind of run (its config.json has no 'methods')" in err
+  assert sorted(p.name for p in grid_dir.iterdir()) == ["config.json", "summary.csv"]
+  table_dir = tmp_path / "table"
+  table_dir.mkdir()
+  (table_dir / "config.json").write_text(json.dumps({"methods": ["fedavg"], "status": "running"}))
+  err = usage_error("ablation", ["--dataset", "twitch", "--out", str(table_dir), "--overwrite"],
+                    capsys)
+  assert "has no 'ablation'); choose another --out" in err
+  err = usage_error("grid", ["--dataset", "wikinet", "--out", str(table_dir), "--overwrite"], capsys)
+  assert "has no 'grid'); choose another --out" in err
+
+
 def test_the_method_config_is_checked_for_methods_not_run(tmp_path, capsys):
   bad = tmp_path / "bad.yaml"
   bad.write_text("hparams: {fedavg: {weights: count}, fedspa: {weights: counts}}\n")
