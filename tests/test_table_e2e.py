@@ -115,9 +115,8 @@ def test_another_tools_folder_is_refused_even_with_overwrite(tmp_path, capsys):
   grid_dir.mkdir()
   (grid_dir / "config.json").write_text(json.dumps({"grid": {"rho": [0.5]}, "status": "finished"}))
   (grid_dir / "summary.csv").write_text("x\n")
-  for extra in ([], ["--overwrite"], ["--resume", str(grid_dir)]):
-    argv = (["--resume", str(grid_dir)] if extra[:1] == ["--resume"] else
-            ["--dataset", "wikinet", "--methods", "fedavg", "--out", str(grid_dir)] + extra)
+  new_table = ["--dataset", "wikinet", "--methods", "fedavg", "--out", str(grid_dir)]
+  for argv in (new_table, new_table + ["--overwrite"], ["--resume", str(grid_dir)]):
     err = usage_error("table", argv, capsys)
     assert f"{grid_dir} holds another kind of run (its config.json has no 'methods')" in err
   assert sorted(p.name for p in grid_dir.iterdir()) == ["config.json", "summary.csv"]
