@@ -95,8 +95,17 @@ def _is_current(out: pathlib.Path, want: dict[str, Any]) -> bool:
         meta = json.loads((out / META_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return (meta.get("recipe") == want
-            and all((out / f"{d}.npz").is_file() for d in want["domains"]))
+    return meta.get("recipe") == want and all(_is_intact(out / f"{d}.npz") for d in want["domains"])
+
+
+def _is_intact(path: pathlib.Path) -> bool:
+    """Whether a prepared file reads back whole (a full disk or an edit can truncate it)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return (archive.testzip() is None
+                    and {"x.npy", "y.npy", "edge_index.npy"} <= set(archive.namelist()))
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def _explicit_raw(raw_dir) -> pathlib.Path | None:
@@ -116,8 +125,9 @@ def prepare(dataset: str, raw_dir: str | os.PathLike | None = None,
     is downloaded there (see :func:`data_prep.download.download_raw`).
 
     With ``verify=True`` an entry is reused when its meta.json records the
-    current recipe (which includes the expected source checksums); no raw file
-    is read then. With ``verify=False`` (custom data) the raw files are hashed,
+    current recipe (which includes the expected source checksums) and its
+    files read back whole (CRC-checked; a damaged entry is rebuilt); no raw
+    file is read then. With ``verify=False`` (custom data) the raw files are hashed,
     not checked against the table, and the hashes enter the recipe, so editing
     a raw file triggers a rebuild.
 

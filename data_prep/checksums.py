@@ -86,7 +86,8 @@ def verify_file(path: str | os.PathLike, expected: str, label: str | None = None
     actual = sha256_file(path)
     if actual != expected.lower():
         raise ChecksumError(f"checksum mismatch for {label}: expected sha256 {expected}, "
-                            f"got {actual} (file at {path} is corrupt or not the SNAP release)")
+                            f"got {actual} (file at {path} is corrupt or not the SNAP release; "
+                            f"for other data on purpose, pass --no-verify, verify=False in Python)")
 
 
 def verify_files(root: str | os.PathLike, relpaths: Iterable[str],
@@ -114,7 +115,8 @@ def verify_files(root: str | os.PathLike, relpaths: Iterable[str],
     relpaths = list(relpaths)
     unknown = [rel for rel in relpaths if rel not in table]
     if unknown:
-        raise ValueError(f"no sha256 known for {unknown[:5]}; pass verify=False to use custom data")
+        raise ValueError(f"no sha256 known for {unknown[:5]}; pass --no-verify "
+                         f"(verify=False in Python) to use custom data")
     require_files(root, relpaths)
     for rel in relpaths:
         verify_file(root / rel, table[rel], rel)

@@ -303,7 +303,8 @@ def make_model(name: str, num_classes: int, hidden: int = 128, num_layers: int =
   if name == "sfpd":
     from fedjax_graph import sfpd  # sfpd imports this module
     if norm != "none":
-      raise ValueError(f"Unsupported norm for sfpd: {norm!r}; SFPD has none (norm: none)")
+      raise ValueError(f"Unsupported norm for sfpd: {norm!r}; SFPD has none "
+                       "(norm: none, --norm none on the command line)")
     if precision != "f32":
       raise ValueError(f"Unsupported precision for sfpd: {precision!r}; SFPD is f32 only")
     return sfpd.SFPD(num_classes=num_classes, hidden=hidden, num_layers=num_layers,

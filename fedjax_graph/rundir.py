@@ -11,7 +11,9 @@ import contextlib
 import datetime
 import importlib.metadata
 import json
+import os
 import pathlib
+import socket
 import subprocess
 from typing import Mapping, Optional, Sequence
 
@@ -30,7 +32,7 @@ def default_out_dir(config: Config, kind: str = "") -> pathlib.Path:
 
 
 def provenance() -> dict:
-  """Package versions and the git commit, for config.json."""
+  """Package versions, the git commit and the writing process (``writer``: host, pid), for config.json."""
   versions = {}
   for name in PACKAGES:
     try:
@@ -42,7 +44,38 @@ def provenance() -> dict:
                             cwd=pathlib.Path(__file__).parent, check=True).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
     commit = None
-  return {"packages": versions, "git_commit": commit}
+  return {"packages": versions, "git_commit": commit,
+          "writer": {"host": socket.gethostname(), "pid": os.getpid()}}
+
+
+def live_writer(out_dir: pathlib.Path) -> Optional[dict]:
+  """The ``writer`` of the run in ``out_dir`` if it is still running on this host, else None.
+
+  A run whose config.json says ``running`` and whose process is alive here
+  (another process than this one). A process that died unannounced (kill -9,
+  power loss) leaves ``running`` behind with no live pid, and counts as
+  stopped; a writer on another host cannot be checked, and does not count.
+  """
+  try:
+    record = json.loads((out_dir / "config.json").read_text())
+  except (OSError, ValueError):
+    return None
+  if not isinstance(record, dict):
+    return None
+  writer = record.get("writer")
+  if (record.get("status") != "running" or not isinstance(writer, dict)
+      or writer.get("host") != socket.gethostname()):
+    return None
+  pid = writer.get("pid")
+  if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
+    return None
+  try:
+    os.kill(pid, 0)  # signal 0: only asks whether the process exists
+  except ProcessLookupError:
+    return None
+  except PermissionError:  # alive, another user's
+    pass
+  return writer
 
 
 CHECKPOINT = "checkpoint.msgpack"
@@ -57,6 +90,9 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
   ``methods``, ``ablation``), a folder of another tool is refused even with
   ``overwrite``: its outputs have other names and would stay beside the new ones.
 
+  A folder a live run is writing (``live_writer``) is refused whatever the
+  flags: two processes would overwrite each other's checkpoint and results.
+
   Nothing is deleted here: with ``overwrite``, the caller removes its own
   outputs (``remove_outputs``) once the data has loaded, and makes the
   folder, so a failure before that leaves everything as it was. Only the
@@ -68,6 +104,10 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
   """
   if not is_writer():
     return
+  writer = live_writer(out_dir)
+  if writer is not None:
+    raise ValueError(f"{out_dir} is being written by another run (pid {writer['pid']} on this "
+                     "host); wait for it to end, stop it, or choose another --out")
   if record_key is not None and (out_dir / "config.json").exists():
     try:
       read_record(out_dir, record_key)
@@ -139,6 +179,8 @@ def read_record(out_dir: pathlib.Path, required: str) -> dict:
   try:
     record = json.loads((out_dir / "config.json").read_text())
   except (FileNotFoundError, NotADirectoryError):
+    if not out_dir.is_dir():
+      raise ValueError(f"{out_dir} is not a folder (give the --out of an earlier run)")
     raise ValueError(f"{out_dir} holds no config.json (no run of these tools)")
   except json.JSONDecodeError as err:
     raise ValueError(f"{out_dir / 'config.json'} is not valid JSON: {err}")

@@ -164,8 +164,9 @@ def test_corrupt_or_missing_raw_file_is_named(tmp_path):
     bad = "wikipedia/squirrel/musae_squirrel_target.csv"
     (raw / bad).unlink()
     (raw / bad).write_bytes((RAW / bad).read_bytes().replace(b"\n1,", b"\n1,9", 1))
-    with pytest.raises(checksums.ChecksumError, match=bad):
+    with pytest.raises(checksums.ChecksumError, match=bad) as err:
         data_prep.prepare("wikinet", raw_dir=raw, cache_dir=tmp_path / "cache")
+    assert "--no-verify" in str(err.value)  # the way out for data changed on purpose
     (raw / bad).unlink()
     with pytest.raises(FileNotFoundError, match=bad):
         data_prep.prepare("wikinet", raw_dir=raw, cache_dir=tmp_path / "cache")
@@ -339,6 +340,10 @@ def test_failed_download_leaves_no_cache_entry(server, tmp_path, monkeypatch):
     with pytest.raises(ConnectionError, match="nothere/wikipedia.zip"):
         data_prep.prepare("wikinet", cache_dir=cache_dir, base_url=f"{server[1]}/nothere/")
     assert _leftovers(cache_dir) == ["raw"]
+    # No server at all: the message names the flag that avoids the download.
+    with pytest.raises(ConnectionError, match="--raw-dir"):
+        data_prep.prepare("wikinet", cache_dir=cache_dir, base_url="http://127.0.0.1:1/")
+    assert _leftovers(cache_dir) == ["raw"]
 
 
 def test_base_url_from_env(monkeypatch):
@@ -433,6 +438,10 @@ def test_a_damaged_prepared_file_is_named(tmp_path):
                                          r"python -m data_prep --force"):
         data_prep.load_domain(out, "squirrel")
     assert data_prep.load_domain(out, "chameleon")["x"].shape[1] == 128
+    # prepare() (every run calls it) sees the damage and rebuilds the entry from the raw files.
+    assert data_prep.prepare("wikinet", raw_dir=tmp_path / "raw", cache_dir=tmp_path,
+                             verify=False) == out
+    assert data_prep.load_domain(out, "squirrel")["x"].shape[1] == 128
 
 
 def test_public_api_and_no_jax():

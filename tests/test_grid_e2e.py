@@ -89,7 +89,8 @@ def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, caps
     (["--rho", "abc"], "comma list of numbers"),
     (["--backbone", "sfpd", "--norm", "none", "--set", "precision=bf16"],
      "Unsupported precision for sfpd: 'bf16'"),
-    (["--backbone", "sfpd"], "Unsupported norm for sfpd: 'batch'"),
+    (["--backbone", "sfpd"], "Unsupported norm for sfpd: 'batch'; SFPD has none (norm: none, "
+                             "--norm none"),
 ])
 def test_grid_rejects_bad_flags_before_any_work(flags, message, tmp_path, capsys):
   argv = ["--dataset", "wikinet", "--out", str(tmp_path / "x"), *flags]

@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -237,3 +239,29 @@ def test_grid_stopped_by_a_nonfinite_update_resumes_with_skip(tiny_wikinet, tmp_
   rows = (tmp_path / "run" / "summary.csv").read_text().splitlines()
   # Two squirrel clients left out in each of the 2 rounds, for FedAvg and for the FedIA cell.
   assert [r.split(",")[-1] for r in rows[1:]] == ["4", "4"]
+
+
+def test_a_folder_a_live_run_writes_is_refused_whatever_the_flags(tmp_path):
+  from fedjax_graph import rundir
+
+  out = tmp_path / "run"
+  out.mkdir()
+  child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    record = {"grid": {}, "status": "running", **rundir.provenance()}
+    record["writer"]["pid"] = child.pid
+    (out / "config.json").write_text(json.dumps(record))
+    for flags in ({"resume": True, "overwrite": False}, {"resume": False, "overwrite": True}):
+      with pytest.raises(ValueError, match=f"being written by another run \\(pid {child.pid}"):
+        rundir.prepare_out_dir(out, record_key="grid", **flags)
+  finally:
+    child.kill()
+    child.wait()
+  # Its process gone (killed, not stopped cleanly: the status still says running), it is a
+  # stopped run like any other.
+  with pytest.raises(ValueError, match="unfinished run; continue it with --resume"):
+    rundir.prepare_out_dir(out, resume=False, overwrite=False, record_key="grid")
+  rundir.prepare_out_dir(out, resume=True, overwrite=False, record_key="grid")
+  # This process's own record (a table's methods, one after another) is never refused.
+  (out / "config.json").write_text(json.dumps({**record, **rundir.provenance()}))
+  rundir.prepare_out_dir(out, resume=True, overwrite=False, record_key="grid")

@@ -93,7 +93,7 @@ def test_the_five_fgl_baselines_in_one_table_on_real_wikinet(raw_dir, prepared_c
     assert not run.nonfinite.any() and (run.predicted_classes >= 1).all()
 
 
-def test_table_usage_errors(capsys):
+def test_table_usage_errors(tmp_path, capsys):
   assert "unknown method 'fedsgd'" in usage_error(
       "table", ["--dataset", "wikinet", "--methods", "fedavg,fedsgd"], capsys)
   err = usage_error("table", ["--dataset", "wikinet", "--methods", "fedprotoo"], capsys)
@@ -107,7 +107,9 @@ def test_table_usage_errors(capsys):
       "table", ["--dataset", "wikinet", "--participation", "1.5"], capsys)
   assert "--seeds: not applicable to --rows-so-far" in usage_error(
       "table", ["--rows-so-far", "x", "--seeds", "0"], capsys)
-  assert "holds no config.json" in usage_error("table", ["--rows-so-far", "/nonexistent"], capsys)
+  assert "/nonexistent is not a folder" in usage_error(
+      "table", ["--rows-so-far", "/nonexistent"], capsys)
+  assert "holds no config.json" in usage_error("table", ["--rows-so-far", str(tmp_path)], capsys)
 
 
 def test_another_tools_folder_is_refused_even_with_overwrite(tmp_path, capsys):
@@ -146,6 +148,9 @@ def test_the_method_config_is_checked_for_methods_not_run(tmp_path, capsys):
   err = usage_error("table", ["--dataset", "wikinet", "--methods", "fedproto", "--method-config",
                               str(bad), "--out", str(tmp_path / "t")], capsys)
   assert f"{bad}: hparams.fedproto: lam = '1'; must be a number (default 1.0)" in err
+  err = usage_error("table", ["--dataset", "wikinet", "--method-config",
+                              str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "t")], capsys)
+  assert f"method config {tmp_path / 'missing.yaml'}: No such file or directory" in err
   assert not (tmp_path / "t").exists()
 
 

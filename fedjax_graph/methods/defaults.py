@@ -17,11 +17,13 @@ METHODS_FILE = CONFIG_DIR / "methods" / "defaults.yaml"
 
 
 def _read(path: pathlib.Path):
-  with open(path) as f:
-    try:
+  try:
+    with open(path) as f:
       return load_yaml(f)
-    except yaml.YAMLError as err:
-      raise ValueError(f"{path}: not valid YAML ({err})")
+  except yaml.YAMLError as err:
+    raise ValueError(f"{path}: not valid YAML ({err})")
+  except (FileNotFoundError, IsADirectoryError) as err:  # a typo in the path, not an I/O fault
+    raise ValueError(f"method config {path}: {err.strerror}")
 
 
 def _merged(shipped, given):
@@ -44,8 +46,9 @@ def method_defaults(path: pathlib.Path = METHODS_FILE) -> dict:
   keeps every other value, the paper's Table 7 (rho, beta) included.
 
   Raises:
-    ValueError: naming the file and the key of the first bad entry.
-    OSError: if the file cannot be read.
+    ValueError: naming the file and the key of the first bad entry, or a
+      path that is missing or a folder.
+    OSError: if the file cannot be read otherwise (e.g. permissions).
   """
   raw = _read(path)
   if pathlib.Path(path).resolve() != METHODS_FILE.resolve():
