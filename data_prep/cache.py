@@ -90,12 +90,18 @@ def _atomic_write(path: pathlib.Path, write) -> None:
         raise
 
 
-def _is_current(out: pathlib.Path, want: dict[str, Any]) -> bool:
+def _stale(out: pathlib.Path, want: dict[str, Any]) -> str | None:
+    """Why the entry ``out`` cannot serve the recipe ``want``, or None when it can."""
     try:
         meta = json.loads((out / META_NAME).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return "not prepared yet"
     except (OSError, ValueError):
-        return False
-    return meta.get("recipe") == want and all(_is_intact(out / f"{d}.npz") for d in want["domains"])
+        return f"{META_NAME} unreadable"
+    if not isinstance(meta, dict) or meta.get("recipe") != want:
+        return "prepared by another recipe (code version or raw files)"
+    damaged = [f"{d}.npz" for d in want["domains"] if not _is_intact(out / f"{d}.npz")]
+    return f"damaged or missing: {', '.join(damaged)}" if damaged else None
 
 
 def _is_intact(path: pathlib.Path) -> bool:
@@ -170,9 +176,11 @@ def prepare(dataset: str, raw_dir: str | os.PathLike | None = None,
         raw_root = raw_root or _cached_or_downloaded_raw(dataset, cache, base_url)
         sources = _checksums.hash_files(raw_root, relpaths)
     want = recipe(dataset, sources)
-    if not force and _is_current(out, want):
-        log.info("reusing %s", out)
+    reason = "--force" if force else _stale(out, want)
+    if reason is None:
+        log.debug("reusing %s", out)
         return out
+    log.info("preparing %s: %s", out, reason)
 
     if raw_root is None:
         raw_root = _cached_or_downloaded_raw(dataset, cache, base_url)
@@ -289,4 +297,5 @@ def load_domain(prepared_dir: str | os.PathLike, domain: str) -> dict[str, np.nd
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as err:
         # A truncated or edited cache file: name it and the way out, not numpy's internals.
         raise ValueError(f"{path}: damaged prepared file ({type(err).__name__}: {err}); delete "
-                         f"{prepared_dir} or run `python -m data_prep --force`") from err
+                         f"{prepared_dir} or run `python -m data_prep --dataset {meta['dataset']} "
+                         f"--force`") from err

@@ -73,7 +73,7 @@ def load(path: os.PathLike, state_template: Any) -> Checkpoint:
     raise ValueError(f"{path} is truncated, damaged or not a fedjax-graph checkpoint (format "
                      f"{FORMAT_VERSION}){problem}; the state it held is lost: delete it and "
                      f"continue with --resume {path.parent} (its sweep starts again from round "
-                     f"1), or start the run again with --overwrite")
+                     f"1), or start the run again with --overwrite (and not --resume)")
   state = serialization.from_state_dict(state_template, raw["state"])
   return Checkpoint(state=state, metrics=dict(raw["metrics"]), next_round=int(raw["next_round"]),
                     fingerprint=str(raw["fingerprint"]))

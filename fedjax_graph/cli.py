@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import logging
 import pathlib
 import sys
 from typing import Any, Callable, Optional
@@ -283,6 +284,10 @@ def guarded(parser: argparse.ArgumentParser, run: Callable[[], object],
   """
   from fedjax_graph.sweep import NonFiniteUpdateError  # the sweep's import cost only here
 
+  data_log = logging.getLogger("data_prep")  # preparing, downloading, rebuilding, and why
+  if not any(isinstance(h, _Stderr) for h in data_log.handlers):
+    data_log.addHandler(_Stderr())
+    data_log.setLevel(logging.INFO)
   try:
     run()
   except OverBudgetError as err:  # not a usage error: the flags were fine, the machine small
@@ -293,6 +298,13 @@ def guarded(parser: argparse.ArgumentParser, run: Callable[[], object],
     sys.exit(f"error: {err}")
   except KeyboardInterrupt:
     sys.exit(interrupted(args.resume or args.out))
+
+
+class _Stderr(logging.Handler):
+  """Writes each record's message to the sys.stderr of the moment (a test's capture too)."""
+
+  def emit(self, record):
+    print(record.getMessage(), file=sys.stderr)
 
 
 def interrupted(out_dir: Optional[pathlib.Path]) -> str:

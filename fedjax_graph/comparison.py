@@ -27,9 +27,9 @@ from fedjax_graph.config import Config
 from fedjax_graph.controls import RunControls
 from fedjax_graph.data import Federation, build_federation, load_dataset
 from fedjax_graph.io import remove_file
-from fedjax_graph.rundir import (check_run_args, default_out_dir, earlier_plans, marks_stopped,
-                                 prepare_out_dir, provenance, read_record, record_plan,
-                                 remove_outputs, resumed)
+from fedjax_graph.rundir import (check_run_args, claimed, default_out_dir, earlier_plans,
+                                 marks_stopped, prepare_out_dir, provenance, read_record,
+                                 record_plan, remove_outputs, resumed)
 from fedjax_graph.sweep import run_sweep
 
 GRID = (0.1, 0.3, 0.5, 0.7, 0.9)  # the paper's search space of each hyper-parameter
@@ -392,16 +392,16 @@ def _record(setup: Mapping, federation: Federation, meta: Mapping, controls: Run
                    "format_version": meta.get("format_version")}, **provenance()}
 
 
-def _prepare(config: Config, seeds, controls: RunControls, domain_graphs, kind: str):
-  """The output folder (refusing to clobber a run), the data, and its meta."""
-  out_dir = controls.out_dir or default_out_dir(config, kind)
+def _prepare(out_dir: pathlib.Path, config: Config, controls: RunControls, domain_graphs,
+             kind: str):
+  """Refuses to clobber a run in ``out_dir``; returns the data and its meta."""
   prepare_out_dir(out_dir, controls.resume, controls.overwrite, finished_marker=FINISHED,
                   record_key={"table": "methods", "ablation": "ablation"}[kind])
   meta = {}
   if domain_graphs is None:
     domain_graphs, meta = load_dataset(config.dataset, controls.raw_dir, controls.cache_dir,
                                        controls.verify)
-  return out_dir, domain_graphs, meta
+  return domain_graphs, meta
 
 
 def method_rows(result: tables.RunResult, name: str, aggregators: Sequence[str], select: str,
@@ -457,70 +457,73 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
   defaults = _checked(defaults)
   aggregators = list(aggregators)
   check_methods(method_names, aggregators, config, defaults)
-  out_dir, domain_graphs, meta = _prepare(config, seeds, controls, domain_graphs, "table")
-  federation = build_federation(config, domain_graphs, seeds)
-  if controls.overwrite:
-    _remove_previous(out_dir, method_names)
-  out_dir.mkdir(parents=True, exist_ok=True)
+  out_dir = controls.out_dir or default_out_dir(config, "table")
+  with claimed(out_dir):
+    domain_graphs, meta = _prepare(out_dir, config, controls, domain_graphs, "table")
+    federation = build_federation(config, domain_graphs, seeds)
+    if controls.overwrite:
+      _remove_previous(out_dir, method_names)
+    out_dir.mkdir(parents=True, exist_ok=True)
 
-  methods = base_methods(method_names)
-  # Rows of a method on its own backbone (FedSPA's SFPD) say so in the title.
-  title = _title(config, rounds, seeds, last, _rows_by_backbone(methods, aggregators, config,
-                                                                 defaults))
-  hparams = {m: methods_lib.run_hparams(m, defaults["hparams"].get(m, {}), rounds) for m in methods}
-  settings = {m: {a: aggregator_setting(defaults, config.dataset, config.setting, m, a)
-                  for a in aggregators} for m in methods}
-  setup = {"config": config.to_dict(), "methods": list(method_names), "hparams": hparams,
-           "aggregators": aggregators, "settings": settings if select == "fixed" else None,
-           "select": select, "seeds": [int(s) for s in seeds], "rounds": rounds,
-           "chunk": controls.chunk}
-  # Recorded beside the given ones (which the checkpoints' fingerprints hash): each
-  # method's every hyper-parameter, its factory's defaults included. A method
-  # that finished before a resume keeps what was recorded then: a factory
-  # default may have changed since, and its run did not see the change.
-  in_effect = {m: methods_lib.hparams_in_effect(m, hparams[m]) for m in methods}
-  if controls.resume and (out_dir / "config.json").exists():
-    recorded = read_record(out_dir, "methods").get("hparams_in_effect", {})
-    in_effect.update({m: recorded[m] for m in methods
-                      if m in recorded and _run_path(out_dir, m).exists()})
-  record = _record(setup, federation, meta, controls, last=last, hparams_in_effect=in_effect,
-                   **earlier_plans(out_dir, controls.resume))
-  report.write_json(out_dir / "config.json", record)
+    methods = base_methods(method_names)
+    # Rows of a method on its own backbone (FedSPA's SFPD) say so in the title.
+    title = _title(config, rounds, seeds, last, _rows_by_backbone(methods, aggregators, config,
+                                                                   defaults))
+    hparams = {m: methods_lib.run_hparams(m, defaults["hparams"].get(m, {}), rounds)
+               for m in methods}
+    settings = {m: {a: aggregator_setting(defaults, config.dataset, config.setting, m, a)
+                    for a in aggregators} for m in methods}
+    setup = {"config": config.to_dict(), "methods": list(method_names), "hparams": hparams,
+             "aggregators": aggregators, "settings": settings if select == "fixed" else None,
+             "select": select, "seeds": [int(s) for s in seeds], "rounds": rounds,
+             "chunk": controls.chunk}
+    # Recorded beside the given ones (which the checkpoints' fingerprints hash): each
+    # method's every hyper-parameter, its factory's defaults included. A method
+    # that finished before a resume keeps what was recorded then: a factory
+    # default may have changed since, and its run did not see the change.
+    in_effect = {m: methods_lib.hparams_in_effect(m, hparams[m]) for m in methods}
+    if controls.resume and (out_dir / "config.json").exists():
+      recorded = read_record(out_dir, "methods").get("hparams_in_effect", {})
+      in_effect.update({m: recorded[m] for m in methods
+                        if m in recorded and _run_path(out_dir, m).exists()})
+    record = _record(setup, federation, meta, controls, last=last, hparams_in_effect=in_effect,
+                     **earlier_plans(out_dir, controls.resume))
+    report.write_json(out_dir / "config.json", record)
 
-  rows, seconds, chosen, chosen_val = [], {}, {}, {}
-  for name in method_names:
-    if name in references.REFERENCES:
-      result = run_reference(name, config, federation, domain_graphs, rounds, out_dir, setup,
-                             controls, record, last)
-      rows.append(tables.make_row(result, 0, name, "reference", last))
+    rows, seconds, chosen, chosen_val = [], {}, {}, {}
+    for name in method_names:
+      if name in references.REFERENCES:
+        result = run_reference(name, config, federation, domain_graphs, rounds, out_dir, setup,
+                               controls, record, last)
+        rows.append(tables.make_row(result, 0, name, "reference", last))
+        seconds[name] = float(result.seconds)
+        continue
+      cells = method_cells(name, aggregators, settings[name], select)
+      result = run_cells(config, federation, cells, name, name, hparams[name], rounds, out_dir,
+                         setup, controls, record, last)
+      own_rows = method_rows(result, name, aggregators, select, last)
+      rows += own_rows
+      for aggregator, row in zip(aggregators, own_rows[1:]):
+        g = tables.select_cell(result, aggregator, select, last)
+        chosen.setdefault(name, {})[aggregator] = row.hparam_dict
+        chosen_val.setdefault(name, {})[aggregator] = tables.validation_avg(result, g, last)
       seconds[name] = float(result.seconds)
-      continue
-    cells = method_cells(name, aggregators, settings[name], select)
-    result = run_cells(config, federation, cells, name, name, hparams[name], rounds, out_dir,
-                       setup, controls, record, last)
-    own_rows = method_rows(result, name, aggregators, select, last)
-    rows += own_rows
-    for aggregator, row in zip(aggregators, own_rows[1:]):
-      g = tables.select_cell(result, aggregator, select, last)
-      chosen.setdefault(name, {})[aggregator] = row.hparam_dict
-      chosen_val.setdefault(name, {})[aggregator] = tables.validation_avg(result, g, last)
-    seconds[name] = float(result.seconds)
-    if select == "val" and "fedia" in aggregators:
-      tables.plot_grid_heatmap(result, federation.domains, last, out_dir / f"heatmap-{name}.png",
-                               title, row_label(name),
-                               reported=tables.select_cell(result, "fedia", select, last))
-  rows = tables.add_deltas(rows)
-  domains = list(federation.domains)
-  title += f", hyper-parameters {select}"
-  tables.plot_table(rows, out_dir / "table.png", title)
-  report.write_json(out_dir / "config.json", {**record, "status": "finished",
-                                              "selected": chosen, "selected_val_avg": chosen_val,
-                                              "seconds_per_method": seconds})
-  tables.write_tables(rows, domains, out_dir / "table", title)
-  remove_outputs(out_dir, [f"{PARTIAL}.{ext}" for ext in ("md", "csv", "tex")])  # superseded
-  print(tables.to_markdown(rows, domains, title))
-  print(f"results in {out_dir}")
-  return out_dir
+      if select == "val" and "fedia" in aggregators:
+        tables.plot_grid_heatmap(result, federation.domains, last, out_dir / f"heatmap-{name}.png",
+                                 title, row_label(name),
+                                 reported=tables.select_cell(result, "fedia", select, last))
+    rows = tables.add_deltas(rows)
+    domains = list(federation.domains)
+    title += f", hyper-parameters {select}"
+    tables.plot_table(rows, out_dir / "table.png", title)
+    report.write_json(out_dir / "config.json", {**record, "status": "finished",
+                                                "selected": chosen, "selected_val_avg": chosen_val,
+                                                "seconds_per_method": seconds})
+    tables.write_tables(rows, domains, out_dir / "table", title)
+    remove_outputs(out_dir, [f"{PARTIAL}.{ext}" for ext in ("md", "csv", "tex")])  # superseded
+    print(tables.to_markdown(rows, domains, title))
+    print(f"results in {out_dir}")
+    return out_dir
 
 
 def resume_table(out_dir: pathlib.Path, controls: RunControls = RunControls(),
@@ -634,49 +637,52 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
   others = {a: aggregator_setting(defaults, configs[0].dataset, configs[0].setting, "fedavg", a)
             for a in aggregators if a != "fedia"}
   rows_of = ABLATION + tuple((f"FedAvg+{aggregators_lib.DISPLAY[a]}", a) for a in others)
-  out_dir, domain_graphs, meta = _prepare(configs[0], seeds, controls, domain_graphs, "ablation")
-  federations = {c.setting: build_federation(c, domain_graphs, seeds) for c in configs}
-  if controls.overwrite:
-    _remove_previous(out_dir, list(settings))
-  out_dir.mkdir(parents=True, exist_ok=True)
-  hparams = dict(defaults["hparams"].get("fedavg", {}))
-  setup = {"configs": [c.to_dict() for c in configs], "ablation": settings, "hparams": hparams,
-           "aggregators": others, "seeds": [int(s) for s in seeds], "rounds": rounds, "chunk": controls.chunk}
-  record = _record(setup, federations[configs[0].setting], meta, controls, last=last,
-                   **earlier_plans(out_dir, controls.resume))
-  report.write_json(out_dir / "config.json", record)
+  out_dir = controls.out_dir or default_out_dir(configs[0], "ablation")
+  with claimed(out_dir):
+    domain_graphs, meta = _prepare(out_dir, configs[0], controls, domain_graphs, "ablation")
+    federations = {c.setting: build_federation(c, domain_graphs, seeds) for c in configs}
+    if controls.overwrite:
+      _remove_previous(out_dir, list(settings))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hparams = dict(defaults["hparams"].get("fedavg", {}))
+    setup = {"configs": [c.to_dict() for c in configs], "ablation": settings, "hparams": hparams,
+             "aggregators": others, "seeds": [int(s) for s in seeds], "rounds": rounds,
+             "chunk": controls.chunk}
+    record = _record(setup, federations[configs[0].setting], meta, controls, last=last,
+                     **earlier_plans(out_dir, controls.resume))
+    report.write_json(out_dir / "config.json", record)
 
-  markdown, csv_text, latex, all_rows = [], [], [], []
-  for config in configs:
-    fedia = settings[config.setting]
-    cells = cells_lib.Cells([
-        cells_lib.cell(aggregator, label=label, **(
-            others[aggregator] if aggregator in others
-            else {n: fedia[n] for n in aggregators_lib.get(aggregator).hparams}))
-        for label, aggregator in rows_of])
-    result = run_cells(config, federations[config.setting], cells, config.setting, "fedavg",
-                       hparams, rounds, out_dir, setup, controls, record, last)
-    rows = tables.add_deltas([
-        tables.make_row(result, cells.index(label), "fedavg",
-                        "base" if aggregator == cells_lib.BASE else f"+{aggregator}", last)
-        for label, aggregator in rows_of])
-    domains = list(federations[config.setting].domains)
-    title = (_title(config, rounds, seeds, last)
-             + f", ρ={fedia['rho']:g}, β={fedia['beta']:g}")
-    markdown.append(tables.to_markdown(rows, domains, title))
-    csv_text.append(tables.to_csv([r._replace(label=f"{config.setting}:{r.label}") for r in rows],
-                                  domains))
-    latex.append(tables.to_latex(rows, domains, title))
-    all_rows += [r._replace(label=f"{config.setting} {r.label}") for r in rows]
-  report.write_text(out_dir / "table.csv", "".join(
-      text if i == 0 else text.split("\n", 1)[1] for i, text in enumerate(csv_text)))
-  report.write_text(out_dir / "table.tex", "\n".join(latex))
-  tables.plot_table(all_rows, out_dir / "table.png", f"{configs[0].dataset} ablation")
-  report.write_json(out_dir / "config.json", {**record, "status": "finished"})
-  report.write_text(out_dir / FINISHED, "\n".join(markdown))
-  print("\n".join(markdown))
-  print(f"results in {out_dir}")
-  return out_dir
+    markdown, csv_text, latex, all_rows = [], [], [], []
+    for config in configs:
+      fedia = settings[config.setting]
+      cells = cells_lib.Cells([
+          cells_lib.cell(aggregator, label=label, **(
+              others[aggregator] if aggregator in others
+              else {n: fedia[n] for n in aggregators_lib.get(aggregator).hparams}))
+          for label, aggregator in rows_of])
+      result = run_cells(config, federations[config.setting], cells, config.setting, "fedavg",
+                         hparams, rounds, out_dir, setup, controls, record, last)
+      rows = tables.add_deltas([
+          tables.make_row(result, cells.index(label), "fedavg",
+                          "base" if aggregator == cells_lib.BASE else f"+{aggregator}", last)
+          for label, aggregator in rows_of])
+      domains = list(federations[config.setting].domains)
+      title = (_title(config, rounds, seeds, last)
+               + f", ρ={fedia['rho']:g}, β={fedia['beta']:g}")
+      markdown.append(tables.to_markdown(rows, domains, title))
+      csv_text.append(tables.to_csv([r._replace(label=f"{config.setting}:{r.label}") for r in rows],
+                                    domains))
+      latex.append(tables.to_latex(rows, domains, title))
+      all_rows += [r._replace(label=f"{config.setting} {r.label}") for r in rows]
+    report.write_text(out_dir / "table.csv", "".join(
+        text if i == 0 else text.split("\n", 1)[1] for i, text in enumerate(csv_text)))
+    report.write_text(out_dir / "table.tex", "\n".join(latex))
+    tables.plot_table(all_rows, out_dir / "table.png", f"{configs[0].dataset} ablation")
+    report.write_json(out_dir / "config.json", {**record, "status": "finished"})
+    report.write_text(out_dir / FINISHED, "\n".join(markdown))
+    print("\n".join(markdown))
+    print(f"results in {out_dir}")
+    return out_dir
 
 
 def resume_ablation(out_dir: pathlib.Path, controls: RunControls = RunControls(),

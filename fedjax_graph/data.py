@@ -252,7 +252,8 @@ def load_dataset(dataset: str, raw_dir=None, cache_dir=None, verify: bool = True
 
   if raw_dir is not None and not pathlib.Path(raw_dir).is_dir():
     # Even when the cache would serve, a raw folder the user named must exist.
-    raise FileNotFoundError(f"raw data folder {raw_dir} does not exist")
+    raise FileNotFoundError(f"raw data folder {raw_dir} does not exist (--raw-dir, "
+                            "FEDJAX_GRAPH_RAW: the folder holding twitch/ and wikipedia/)")
   prepared = data_prep.prepare(dataset, raw_dir=raw_dir, cache_dir=cache_dir, verify=verify)
   graphs_ = {d: data_prep.load_domain(prepared, d) for d in data_prep.DATASETS[dataset]}
   return graphs_, data_prep.load_meta(prepared)

@@ -23,8 +23,8 @@ from fedjax_graph.config import load_preset
 from fedjax_graph.controls import RunControls
 from fedjax_graph.data import build_federation, load_dataset
 from fedjax_graph.models import BACKBONES
-from fedjax_graph.rundir import (check_run_args, default_out_dir, prepare_out_dir, provenance,
-                                 remove_outputs)
+from fedjax_graph.rundir import (check_run_args, claimed, default_out_dir, prepare_out_dir,
+                                 provenance, remove_outputs)
 from fedjax_graph.simulation import DiagnosticsSpec
 from fedjax_graph.sweep import run_sweep
 
@@ -84,47 +84,51 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
                            else cells_lib.cell(cells_lib.BASE) for a in aggregators])
   out_dir = pathlib.Path(out_dir) if out_dir else pathlib.Path(
       default_out_dir(first, "diagnose"))
-  prepare_out_dir(out_dir, resume=False, overwrite=overwrite, finished_marker="headline.json",
-                  resumable=False)
-  meta = {}
-  if domain_graphs is None:
-    domain_graphs, meta = load_dataset(dataset, raw_dir, cache_dir, verify)
-  if overwrite:
-    remove_outputs(out_dir, ("headline.json", "config.json"))
-  out_dir.mkdir(parents=True, exist_ok=True)
+  with claimed(out_dir):
+    prepare_out_dir(out_dir, resume=False, overwrite=overwrite, finished_marker="headline.json",
+                    resumable=False)
+    meta = {}
+    if domain_graphs is None:
+      domain_graphs, meta = load_dataset(dataset, raw_dir, cache_dir, verify)
+    if overwrite:
+      remove_outputs(out_dir, ("headline.json", "config.json"))
+    out_dir.mkdir(parents=True, exist_ok=True)
 
-  spec = DiagnosticsSpec(rounds=tuple(checkpoints), top=top)
-  index = np.asarray(checkpoints) - 1
-  runs, seconds = {}, {}
-  for backbone, config in configs.items():
-    federation = build_federation(config, domain_graphs, seeds)
-    start = time.perf_counter()
-    history = run_sweep(config, federation, cells, rounds, controls, description=backbone,
-                        diagnostics=spec)
-    seconds[backbone] = time.perf_counter() - start
-    for g, aggregator in enumerate(aggregators):
-      arrays = {k: np.asarray(v[:, g][:, index]) for k, v in history.diagnostics._asdict().items()}
-      runs[f"{backbone}/{aggregator}"] = {**arrays, "test_acc": history.test_acc[:, g]}
+    spec = DiagnosticsSpec(rounds=tuple(checkpoints), top=top)
+    index = np.asarray(checkpoints) - 1
+    runs, seconds = {}, {}
+    for backbone, config in configs.items():
+      federation = build_federation(config, domain_graphs, seeds)
+      start = time.perf_counter()
+      history = run_sweep(config, federation, cells, rounds, controls, description=backbone,
+                          diagnostics=spec)
+      seconds[backbone] = time.perf_counter() - start
+      for g, aggregator in enumerate(aggregators):
+        arrays = {k: np.asarray(v[:, g][:, index])
+                  for k, v in history.diagnostics._asdict().items()}
+        runs[f"{backbone}/{aggregator}"] = {**arrays, "test_acc": history.test_acc[:, g]}
 
-  model = first.model(federation.num_classes)
-  names = leaf_names(model.clone(propagate_eval=False).init(
-      jax.random.PRNGKey(0), jnp.zeros((1, federation.eval_x.shape[-1])), None, train=False))
-  factors = diagnostics.domain_factors({d: domain_graphs[d] for d in federation.domains})
-  record = {"dataset": dataset, "setting": first.setting, "backbones": list(backbones),
-            "aggregators": list(aggregators), "checkpoints": checkpoints, "rounds": rounds,
-            "seeds": list(seeds), "top": top, "rho": rho, "beta": beta,
-            "configs": {b: c.to_dict() for b, c in configs.items()},
-            "data": {"source_sha256": meta.get("source_sha256")},
-            "wall_seconds": seconds, **provenance()}
-  report.write_json(out_dir / "config.json", record)
-  report.write_history(out_dir / "diagnostics.npz", client_domain=federation.client_domain,
-                       domains=np.asarray(federation.domains), checkpoints=np.asarray(checkpoints),
-                       leaf_names=np.asarray(names),
-                       **{f"{run}/{k}": v for run, arrays in runs.items() for k, v in arrays.items()},
-                       **{f"factor/{k}": v for k, v in factors.items()})
-  title = f"{dataset} {first.setting}, {rounds} rounds, seeds {list(seeds)}"
-  headline = dissection_report.write_dissection(
-      out_dir, runs, checkpoints, federation.client_domain, list(federation.domains), names, top,
-      factors, title)
-  print(f"results in {out_dir}")
-  return headline
+    model = first.model(federation.num_classes)
+    names = leaf_names(model.clone(propagate_eval=False).init(
+        jax.random.PRNGKey(0), jnp.zeros((1, federation.eval_x.shape[-1])), None, train=False))
+    factors = diagnostics.domain_factors({d: domain_graphs[d] for d in federation.domains})
+    record = {"dataset": dataset, "setting": first.setting, "backbones": list(backbones),
+              "aggregators": list(aggregators), "checkpoints": checkpoints, "rounds": rounds,
+              "seeds": list(seeds), "top": top, "rho": rho, "beta": beta,
+              "configs": {b: c.to_dict() for b, c in configs.items()},
+              "data": {"source_sha256": meta.get("source_sha256")},
+              "wall_seconds": seconds, **provenance()}
+    report.write_json(out_dir / "config.json", record)
+    report.write_history(out_dir / "diagnostics.npz", client_domain=federation.client_domain,
+                         domains=np.asarray(federation.domains),
+                         checkpoints=np.asarray(checkpoints),
+                         leaf_names=np.asarray(names),
+                         **{f"{run}/{k}": v for run, arrays in runs.items()
+                            for k, v in arrays.items()},
+                         **{f"factor/{k}": v for k, v in factors.items()})
+    title = f"{dataset} {first.setting}, {rounds} rounds, seeds {list(seeds)}"
+    headline = dissection_report.write_dissection(
+        out_dir, runs, checkpoints, federation.client_domain, list(federation.domains), names, top,
+        factors, title)
+    print(f"results in {out_dir}")
+    return headline

@@ -17,9 +17,17 @@ import socket
 import subprocess
 from typing import Mapping, Optional, Sequence
 
+try:
+  import fcntl
+except ImportError:  # not POSIX: runs are not locked (``claimed``)
+  fcntl = None
+
 from fedjax_graph.config import Config
 from fedjax_graph.controls import OverBudgetError, RunControls
 from fedjax_graph.io import is_writer, remove_file
+
+TOOLS = {"grid": "grid.py", "methods": "table.py", "ablation": "ablation.py"}
+"""The key only each tool's config.json holds -> the tool."""
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "jraph", "numpy", "scipy")
 
@@ -32,7 +40,7 @@ def default_out_dir(config: Config, kind: str = "") -> pathlib.Path:
 
 
 def provenance() -> dict:
-  """Package versions, the git commit and the writing process (``writer``: host, pid), for config.json."""
+  """Package versions, the git commit and the writing process (host, pid), for config.json."""
   versions = {}
   for name in PACKAGES:
     try:
@@ -48,34 +56,73 @@ def provenance() -> dict:
           "writer": {"host": socket.gethostname(), "pid": os.getpid()}}
 
 
-def live_writer(out_dir: pathlib.Path) -> Optional[dict]:
-  """The ``writer`` of the run in ``out_dir`` if it is still running on this host, else None.
+LOCK = ".lock"
+_CLAIMED: set = set()  # folders this process holds (resolved paths)
 
-  A run whose config.json says ``running`` and whose process is alive here
-  (another process than this one). A process that died unannounced (kill -9,
-  power loss) leaves ``running`` behind with no live pid, and counts as
-  stopped; a writer on another host cannot be checked, and does not count.
+
+@contextlib.contextmanager
+def claimed(out_dir: pathlib.Path):
+  """Holds ``out_dir`` for this process while the body runs; another process is refused.
+
+  An exclusive ``flock`` on ``<out_dir>/.lock``, taken before the folder's
+  run is checked (``prepare_out_dir``) and released, the file removed, when
+  the body ends: two commands given the same ``--out`` cannot both pass the
+  checks and then overwrite each other's checkpoints and results. The
+  operating system drops the lock of a process that dies (kill -9, power
+  loss), so a stopped run never blocks its ``--resume``. Re-entrant within a
+  process. A folder this creates and leaves empty is removed again, so a
+  run refused before writing anything leaves nothing behind. Only the
+  writing process claims (``io.is_writer``); without ``fcntl`` (not POSIX)
+  nothing is locked.
+
+  Raises:
+    ValueError: another live process holds the folder (its pid named, from
+      the ``writer`` of its config.json where there is one).
   """
+  key = out_dir.resolve()
+  if fcntl is None or not is_writer() or key in _CLAIMED:
+    yield
+    return
+  created = not out_dir.exists()
+  out_dir.mkdir(parents=True, exist_ok=True)
+  fd = _lock(out_dir / LOCK)
+  _CLAIMED.add(key)
   try:
-    record = json.loads((out_dir / "config.json").read_text())
-  except (OSError, ValueError):
-    return None
-  if not isinstance(record, dict):
-    return None
-  writer = record.get("writer")
-  if (record.get("status") != "running" or not isinstance(writer, dict)
-      or writer.get("host") != socket.gethostname()):
-    return None
-  pid = writer.get("pid")
-  if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
-    return None
+    yield
+  finally:
+    _CLAIMED.discard(key)
+    (out_dir / LOCK).unlink(missing_ok=True)  # before the unlock: a waiting open retries
+    os.close(fd)
+    if created:
+      with contextlib.suppress(OSError):  # not empty (the run wrote), or gone
+        out_dir.rmdir()
+
+
+def _lock(path: pathlib.Path) -> int:
+  """An open descriptor of ``path`` holding its exclusive lock (see ``claimed``)."""
+  while True:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      os.close(fd)
+      raise ValueError(f"{path.parent} is being written by another run{_writer(path.parent)}; "
+                       "wait for it to end or stop it, or choose another --out") from None
+    try:
+      current = os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+      current = False
+    if current:
+      return fd
+    os.close(fd)  # locked a file its holder had just removed: lock the new one
+
+
+def _writer(out_dir: pathlib.Path) -> str:
   try:
-    os.kill(pid, 0)  # signal 0: only asks whether the process exists
-  except ProcessLookupError:
-    return None
-  except PermissionError:  # alive, another user's
-    pass
-  return writer
+    pid = json.loads((out_dir / "config.json").read_text())["writer"]["pid"]
+  except (OSError, ValueError, KeyError, TypeError):
+    return ""
+  return f" (pid {pid}, says its config.json)"
 
 
 CHECKPOINT = "checkpoint.msgpack"
@@ -90,8 +137,8 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
   ``methods``, ``ablation``), a folder of another tool is refused even with
   ``overwrite``: its outputs have other names and would stay beside the new ones.
 
-  A folder a live run is writing (``live_writer``) is refused whatever the
-  flags: two processes would overwrite each other's checkpoint and results.
+  Called inside ``claimed(out_dir)``, which refuses a folder another live
+  process is writing, whatever the flags.
 
   Nothing is deleted here: with ``overwrite``, the caller removes its own
   outputs (``remove_outputs``) once the data has loaded, and makes the
@@ -104,10 +151,6 @@ def prepare_out_dir(out_dir: pathlib.Path, resume: bool, overwrite: bool,
   """
   if not is_writer():
     return
-  writer = live_writer(out_dir)
-  if writer is not None:
-    raise ValueError(f"{out_dir} is being written by another run (pid {writer['pid']} on this "
-                     "host); wait for it to end, stop it, or choose another --out")
   if record_key is not None and (out_dir / "config.json").exists():
     try:
       read_record(out_dir, record_key)
@@ -185,7 +228,9 @@ def read_record(out_dir: pathlib.Path, required: str) -> dict:
   except json.JSONDecodeError as err:
     raise ValueError(f"{out_dir / 'config.json'} is not valid JSON: {err}")
   if required not in record:
-    raise ValueError(f"{out_dir} holds another kind of run (its config.json has no {required!r})")
+    tool = next((f"{tool}'s " for key, tool in TOOLS.items() if key in record), "")
+    raise ValueError(f"{out_dir} holds another kind of run ({tool}config.json, which has no "
+                     f"{required!r})")
   return record
 
 

@@ -210,7 +210,7 @@ def test_a_truncated_checkpoint_names_the_file_and_the_way_out(tmp_path):
       f"{path} is truncated, damaged or not a fedjax-graph checkpoint (format 1) (Unpack failed: "
       "incomplete input); the state it held is lost: delete it and continue with --resume "
       f"{path.parent} (its sweep starts again from round 1), or start the run again with "
-      "--overwrite")
+      "--overwrite (and not --resume)")
 
 
 def test_one_atomic_write_helper():

@@ -435,7 +435,7 @@ def test_a_damaged_prepared_file_is_named(tmp_path):
     path = out / "squirrel.npz"
     path.write_bytes(path.read_bytes()[:100])  # truncated, as by a full disk
     with pytest.raises(ValueError, match=r"squirrel.npz: damaged prepared file \(BadZipFile.*"
-                                         r"python -m data_prep --force"):
+                                         r"python -m data_prep --dataset wikinet --force"):
         data_prep.load_domain(out, "squirrel")
     assert data_prep.load_domain(out, "chameleon")["x"].shape[1] == 128
     # prepare() (every run calls it) sees the damage and rebuilds the entry from the raw files.

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import data_prep
+
 from conftest import script_main, usage_error
 
 # The real graphs with a narrow recipe: the compiles are these tests' cost.
@@ -115,3 +117,16 @@ def test_grid_of_another_aggregator_on_real_wikinet(raw_dir, prepared_cache, tmp
     assert image.format == "PNG"
   record = json.loads((out / "config.json").read_text())
   assert record["aggregator"] == "gma" and record["grid"] == {"tau": [0.1, 0.5, 0.9]}
+
+
+def test_a_run_says_why_it_prepares_the_data(raw_dir, tmp_path, capsys):
+  argv = ["--dataset", "wikinet", "--raw-dir", str(raw_dir), "--cache-dir", str(tmp_path),
+          "--rounds", "1", "--rho", "0.5", "--beta", "0.5", "--no-progress", *SMALL]
+  script_main("grid")(argv + ["--out", str(tmp_path / "a")])
+  assert f"preparing {tmp_path / 'wikinet'}: not prepared yet" in capsys.readouterr().err
+  path = tmp_path / "wikinet" / "crocodile.npz"
+  path.write_bytes(path.read_bytes()[:-10])
+  script_main("grid")(argv + ["--out", str(tmp_path / "b")])
+  assert "wikinet: damaged or missing: crocodile.npz" in capsys.readouterr().err
+  data_prep.prepare("wikinet", raw_dir=raw_dir, cache_dir=tmp_path)
+  assert "preparing" not in capsys.readouterr().err  # reused quietly

@@ -14,6 +14,8 @@ from fedjax_graph import cells as cells_lib
 from fedjax_graph import config, data, experiment, simulation, sweep
 from fedjax_graph.controls import RunControls
 
+from conftest import REPO
+
 QUIET = RunControls(progress=False)
 FEDIA = cells_lib.grid("fedia", rho=[0.5], beta=[0.5])
 
@@ -245,23 +247,31 @@ def test_a_folder_a_live_run_writes_is_refused_whatever_the_flags(tmp_path):
   from fedjax_graph import rundir
 
   out = tmp_path / "run"
-  out.mkdir()
-  child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  script = ("import json, pathlib, sys, time; from fedjax_graph import rundir\n"
+            "out = pathlib.Path(sys.argv[1])\n"
+            "with rundir.claimed(out):\n"
+            "  (out / 'config.json').write_text(json.dumps(rundir.provenance()))\n"
+            "  print('held', flush=True); time.sleep(60)\n")
+  child = subprocess.Popen([sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE,
+                           text=True, cwd=REPO)
   try:
-    record = {"grid": {}, "status": "running", **rundir.provenance()}
-    record["writer"]["pid"] = child.pid
-    (out / "config.json").write_text(json.dumps(record))
+    assert child.stdout.readline() == "held\n"
     for flags in ({"resume": True, "overwrite": False}, {"resume": False, "overwrite": True}):
-      with pytest.raises(ValueError, match=f"being written by another run \\(pid {child.pid}"):
-        rundir.prepare_out_dir(out, record_key="grid", **flags)
+      with pytest.raises(ValueError, match=f"being written by another run \\(pid {child.pid}, "):
+        with rundir.claimed(out):
+          rundir.prepare_out_dir(out, record_key="grid", **flags)
   finally:
-    child.kill()
+    child.kill()  # as kill -9: no clean-up runs, the lock file stays
     child.wait()
-  # Its process gone (killed, not stopped cleanly: the status still says running), it is a
-  # stopped run like any other.
-  with pytest.raises(ValueError, match="unfinished run; continue it with --resume"):
-    rundir.prepare_out_dir(out, resume=False, overwrite=False, record_key="grid")
-  rundir.prepare_out_dir(out, resume=True, overwrite=False, record_key="grid")
-  # This process's own record (a table's methods, one after another) is never refused.
-  (out / "config.json").write_text(json.dumps({**record, **rundir.provenance()}))
-  rundir.prepare_out_dir(out, resume=True, overwrite=False, record_key="grid")
+  assert (out / rundir.LOCK).exists()
+  # The operating system dropped the dead process's lock: the folder is free, and this
+  # process holds it re-entrantly (a table's methods, one after another).
+  with rundir.claimed(out):
+    with rundir.claimed(out):
+      assert (out / rundir.LOCK).exists()
+  assert not (out / rundir.LOCK).exists()
+  # A folder the claim made and nothing filled is removed again: a refused run leaves nothing.
+  with pytest.raises(ValueError, match="holds no run to resume"):
+    with rundir.claimed(tmp_path / "new"):
+      rundir.prepare_out_dir(tmp_path / "new", resume=True, overwrite=False)
+  assert not (tmp_path / "new").exists()

@@ -120,14 +120,15 @@ def test_another_tools_folder_is_refused_even_with_overwrite(tmp_path, capsys):
   new_table = ["--dataset", "wikinet", "--methods", "fedavg", "--out", str(grid_dir)]
   for argv in (new_table, new_table + ["--overwrite"], ["--resume", str(grid_dir)]):
     err = usage_error("table", argv, capsys)
-    assert f"{grid_dir} holds another kind of run (its config.json has no 'methods')" in err
+    assert (f"{grid_dir} holds another kind of run (grid.py's config.json, which has no "
+            "'methods')") in err
   assert sorted(p.name for p in grid_dir.iterdir()) == ["config.json", "summary.csv"]
   table_dir = tmp_path / "table"
   table_dir.mkdir()
   (table_dir / "config.json").write_text(json.dumps({"methods": ["fedavg"], "status": "running"}))
   err = usage_error("ablation", ["--dataset", "twitch", "--out", str(table_dir), "--overwrite"],
                     capsys)
-  assert "has no 'ablation'); choose another --out" in err
+  assert "(table.py's config.json, which has no 'ablation'); choose another --out" in err
   err = usage_error("grid", ["--dataset", "wikinet", "--out", str(table_dir), "--overwrite"], capsys)
   assert "has no 'grid'); choose another --out" in err
 
@@ -325,7 +326,7 @@ def test_overwrite_removes_only_its_own_files_and_only_after_the_data_loads(
   (out / "table_notes.txt").write_text("mine")
   (out / "runs" / "keep.npz").write_bytes(b"mine")
   # The data cannot load: nothing is removed.
-  with pytest.raises(OSError):
+  with pytest.raises(OSError, match="missing does not exist \\(--raw-dir, FEDJAX_GRAPH_RAW"):
     run(overwrite=True, raw_dir=tmp_path / "missing", cache_dir=tmp_path / "cache")
   assert (out / "table.md").exists() and (out / "runs" / "fedavg.npz").exists()
   run(overwrite=True, domain_graphs=tiny_wikinet)
