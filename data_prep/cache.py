@@ -26,6 +26,9 @@ __all__ = ["FORMAT_VERSION", "CACHE_ENV", "RAW_ENV", "default_cache_dir", "prepa
 
 log = logging.getLogger(__name__)
 
+ARRAYS = ("x", "y", "edge_index")
+"""The arrays of each prepared ``<domain>.npz``."""
+
 FORMAT_VERSION = 1
 """Bump whenever the arrays written for the same raw files would change."""
 
@@ -109,7 +112,7 @@ def _is_intact(path: pathlib.Path) -> bool:
     try:
         with zipfile.ZipFile(path) as archive:
             return (archive.testzip() is None
-                    and {"x.npy", "y.npy", "edge_index.npy"} <= set(archive.namelist()))
+                    and {f"{key}.npy" for key in ARRAYS} <= set(archive.namelist()))
     except (OSError, zipfile.BadZipFile):
         return False
 
@@ -291,7 +294,7 @@ def load_domain(prepared_dir: str | os.PathLike, domain: str) -> dict[str, np.nd
     path = prepared_dir / f"{domain}.npz"
     try:
         with np.load(path, allow_pickle=False) as data:
-            return {key: data[key] for key in ("x", "y", "edge_index")}
+            return {key: data[key] for key in ARRAYS}
     except FileNotFoundError:
         raise
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as err:

@@ -118,11 +118,13 @@ def _lock(path: pathlib.Path) -> int:
 
 
 def _writer(out_dir: pathlib.Path) -> str:
+  """`` (pid N, ...)`` from a config.json that says ``running``: not an earlier, ended run's."""
   try:
-    pid = json.loads((out_dir / "config.json").read_text())["writer"]["pid"]
+    record = json.loads((out_dir / "config.json").read_text())
+    pid = record["writer"]["pid"] if record["status"] == "running" else None
   except (OSError, ValueError, KeyError, TypeError):
-    return ""
-  return f" (pid {pid}, says its config.json)"
+    pid = None
+  return "" if pid is None else f" (pid {pid}, says its config.json)"
 
 
 CHECKPOINT = "checkpoint.msgpack"

@@ -250,7 +250,8 @@ def test_a_folder_a_live_run_writes_is_refused_whatever_the_flags(tmp_path):
   script = ("import json, pathlib, sys, time; from fedjax_graph import rundir\n"
             "out = pathlib.Path(sys.argv[1])\n"
             "with rundir.claimed(out):\n"
-            "  (out / 'config.json').write_text(json.dumps(rundir.provenance()))\n"
+            "  record = {'status': 'running', **rundir.provenance()}\n"
+            "  (out / 'config.json').write_text(json.dumps(record))\n"
             "  print('held', flush=True); time.sleep(60)\n")
   child = subprocess.Popen([sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE,
                            text=True, cwd=REPO)
@@ -260,6 +261,12 @@ def test_a_folder_a_live_run_writes_is_refused_whatever_the_flags(tmp_path):
       with pytest.raises(ValueError, match=f"being written by another run \\(pid {child.pid}, "):
         with rundir.claimed(out):
           rundir.prepare_out_dir(out, record_key="grid", **flags)
+    # An ended run's config.json (the holder has not written its own yet) names no pid.
+    record = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**record, "status": "finished"}))
+    with pytest.raises(ValueError, match="being written by another run; wait for it"):
+      with rundir.claimed(out):
+        pass
   finally:
     child.kill()  # as kill -9: no clean-up runs, the lock file stays
     child.wait()
