@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     root = args.cache_dir if args.cache_dir is not None else cache.default_cache_dir()
     meta_path = os.path.join(os.path.expanduser(root), args.dataset, cache.META_NAME)
@@ -48,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = cache.prepare(args.dataset, raw_dir=args.raw_dir, cache_dir=args.cache_dir,
                             base_url=args.base_url, force=args.force, verify=not args.no_verify)
-    except (ValueError, OSError) as err:
+    except ValueError as err:  # bad data or flags: exit 2, as the experiments' scripts do
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # missing files, no network
         print(f"error: {err}", file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - start

@@ -87,7 +87,7 @@ def verify_file(path: str | os.PathLike, expected: str, label: str | None = None
     if actual != expected.lower():
         raise ChecksumError(f"checksum mismatch for {label}: expected sha256 {expected}, "
                             f"got {actual} (file at {path} is corrupt or not the SNAP release; "
-                            f"for other data on purpose, pass --no-verify, verify=False in Python)")
+                            "for other data on purpose, pass --no-verify)")
 
 
 def verify_files(root: str | os.PathLike, relpaths: Iterable[str],
@@ -115,8 +115,7 @@ def verify_files(root: str | os.PathLike, relpaths: Iterable[str],
     relpaths = list(relpaths)
     unknown = [rel for rel in relpaths if rel not in table]
     if unknown:
-        raise ValueError(f"no sha256 known for {unknown[:5]}; pass --no-verify "
-                         f"(verify=False in Python) to use custom data")
+        raise ValueError(f"no sha256 known for {unknown[:5]}; pass --no-verify to use custom data")
     require_files(root, relpaths)
     for rel in relpaths:
         verify_file(root / rel, table[rel], rel)

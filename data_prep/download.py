@@ -70,8 +70,7 @@ def fetch(url: str, dest: str | os.PathLike, expected_sha256: str | None = None,
         except (urllib.error.URLError, OSError) as err:
             raise ConnectionError(
                 f"download of {url} failed: {getattr(err, 'reason', err)} (no internet? pass "
-                f"--raw-dir (raw_dir= in Python) or set FEDJAX_GRAPH_RAW to a local copy of the "
-                f"SNAP files)") from err
+                "--raw-dir or set FEDJAX_GRAPH_RAW to a local copy of the SNAP files)") from err
         with response, os.fdopen(fd, "wb") as out:
             fd = None
             total = response.headers.get("Content-Length")

@@ -11,7 +11,6 @@ retention; then the domain discrepancies on the host. Writes figures, CSVs of
 every plotted number, diagnostics.npz and headline.json into --out.
 """
 
-import argparse
 import json
 import pathlib
 import sys
@@ -23,8 +22,7 @@ from fedjax_graph.dissection import run_diagnose  # noqa: E402
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.Parser(__doc__)
   cli.add_federation_flags(parser)
   parser.add_argument("--backbones", type=cli.str_list, default="pmlp_gcn,mlp,gcn",
                       help="comma list of backbones (default: %(default)s)")

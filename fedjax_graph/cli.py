@@ -4,6 +4,7 @@ import argparse
 import json
 import logging
 import pathlib
+import re
 import sys
 from typing import Any, Callable, Optional
 
@@ -169,10 +170,19 @@ def given_flags(parser: argparse.ArgumentParser, argv=None) -> list[str]:
           if action.option_strings and action.dest in given]
 
 
+class Parser(argparse.ArgumentParser):
+  """A script's parser: its usage errors are two lines, not the whole usage block."""
+
+  def __init__(self, description: str):
+    super().__init__(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+  def error(self, message):
+    self.exit(2, f"{self.prog}: error: {message}\n{self.prog} --help lists the flags\n")
+
+
 def sweep_parser(description: str) -> argparse.ArgumentParser:
   """A script's parser with the federation, sweep and output flags (grid, table, ablation)."""
-  parser = argparse.ArgumentParser(description=description,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = Parser(description)
   add_federation_flags(parser)
   add_sweep_flags(parser)
   add_output_flags(parser)
@@ -224,7 +234,32 @@ def config_from_args(parser: argparse.ArgumentParser, args,
       parser.error("--dataset or --config FILE is required (unless --resume DIR)")
     return load_preset(args.dataset, setting or args.setting, **preset_overrides(args))
   except ValueError as err:
-    parser.error(str(err))
+    parser.error(_naming_flags(str(err), args))
+
+
+def _naming_flags(message: str, args) -> str:
+  """``message`` with the flags that set the fields it faults: ``lr = -1.0; ... (--set lr=...)``."""
+  flags = [flag for key, (_, flag) in _flag_fields(args).items()
+           if re.search(rf"(^|; ){key}( =|\[)", message)]
+  return f"{message} ({', '.join(flags)})" if flags else message
+
+
+def _flag_fields(args) -> dict:
+  """``{field: (value, flag)}`` for each config field a flag sets, in the flags' order.
+
+  Raises:
+    ValueError: a field set twice (by its shortcut and ``--set``, or by two ``--set``).
+  """
+  fields = {name: (getattr(args, name), f"--{name}") for name in SHORTCUTS
+            if getattr(args, name, None) is not None}
+  for key, value in getattr(args, "overrides", []):
+    if key in ("dataset", "setting"):
+      raise ValueError(f"--set {key}=... cannot change the {key}: choose it with --{key}, "
+                       "or in the file of --config FILE")
+    if key in fields:
+      raise ValueError(f"{key} is set twice ({fields[key][1]} and --set {key}=...); give it once")
+    fields[key] = (value, f"--set {key}=...")
+  return fields
 
 
 def preset_overrides(args) -> dict:
@@ -233,18 +268,7 @@ def preset_overrides(args) -> dict:
   Raises:
     ValueError: a field set twice (by its shortcut and ``--set``, or by two ``--set``).
   """
-  overrides, by = {}, {}
-  for name in SHORTCUTS:
-    if getattr(args, name, None) is not None:
-      overrides[name], by[name] = getattr(args, name), f"--{name}"
-  for key, value in getattr(args, "overrides", []):
-    if key in ("dataset", "setting"):
-      raise ValueError(f"--set {key}=... cannot change the {key}: choose it with --{key}, "
-                       "or in the file of --config FILE")
-    if key in by:
-      raise ValueError(f"{key} is set twice ({by[key]} and --set {key}=...); give it once")
-    overrides[key], by[key] = value, "--set"
-  return overrides
+  return {key: value for key, (value, _) in _flag_fields(args).items()}
 
 
 def resume_kwargs(args) -> dict:
@@ -297,7 +321,7 @@ def guarded(parser: argparse.ArgumentParser, run: Callable[[], object],
   except (OSError, NonFiniteUpdateError) as err:  # Missing files, no network, bad paths.
     sys.exit(f"error: {err}")
   except KeyboardInterrupt:
-    sys.exit(interrupted(args.resume or args.out))
+    sys.exit(interrupted(args.resume or args.out, _script(parser)))
 
 
 class _Stderr(logging.Handler):
@@ -307,8 +331,14 @@ class _Stderr(logging.Handler):
     print(record.getMessage(), file=sys.stderr)
 
 
-def interrupted(out_dir: Optional[pathlib.Path]) -> str:
-  """The line for a run stopped by Ctrl-C: what ``out_dir`` kept and how to go on from it."""
+def _script(parser: argparse.ArgumentParser) -> str:
+  """The path the script was started by (``experiments/table.py``), for a command to copy."""
+  started = pathlib.Path(sys.argv[0])
+  return str(started) if started.name == parser.prog else f"experiments/{parser.prog}"
+
+
+def interrupted(out_dir: Optional[pathlib.Path], script: str = "experiments/grid.py") -> str:
+  """The line for a run stopped by Ctrl-C: what ``out_dir`` kept and the command that goes on."""
   if out_dir is None:
     return "interrupted before the run chose its output folder; nothing was saved"
   out_dir = pathlib.Path(out_dir)
@@ -323,8 +353,9 @@ def interrupted(out_dir: Optional[pathlib.Path]) -> str:
                 for pattern in ("checkpoint*.msgpack", "runs/*.npz")
                 for path in out_dir.glob(pattern))
   if kept:
-    return f"interrupted; {out_dir} keeps {', '.join(kept)}: continue with --resume {out_dir}"
+    return (f"interrupted; {out_dir} keeps {', '.join(kept)}: continue with "
+            f"python {script} --resume {out_dir}")
   if status is not None:
-    return (f"interrupted before the first checkpoint: no round was saved; --resume {out_dir} "
-            "starts the run again from round 1 with its config.json")
+    return (f"interrupted before the first checkpoint: no round was saved; python {script} "
+            f"--resume {out_dir} starts the run again from round 1 with its config.json")
   return f"interrupted before anything was written to {out_dir}; nothing was saved"

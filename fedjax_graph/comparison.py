@@ -458,7 +458,7 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
   aggregators = list(aggregators)
   check_methods(method_names, aggregators, config, defaults)
   out_dir = controls.out_dir or default_out_dir(config, "table")
-  with claimed(out_dir):
+  with claimed(out_dir, controls.resume):
     domain_graphs, meta = _prepare(out_dir, config, controls, domain_graphs, "table")
     federation = build_federation(config, domain_graphs, seeds)
     if controls.overwrite:
@@ -638,7 +638,7 @@ def run_ablation(configs: Sequence[Config], seeds: Sequence[int], rounds: int, l
             for a in aggregators if a != "fedia"}
   rows_of = ABLATION + tuple((f"FedAvg+{aggregators_lib.DISPLAY[a]}", a) for a in others)
   out_dir = controls.out_dir or default_out_dir(configs[0], "ablation")
-  with claimed(out_dir):
+  with claimed(out_dir, controls.resume):
     domain_graphs, meta = _prepare(out_dir, configs[0], controls, domain_graphs, "ablation")
     federations = {c.setting: build_federation(c, domain_graphs, seeds) for c in configs}
     if controls.overwrite:

@@ -60,7 +60,7 @@ def run_grid(config: Config, aggregator: str, grid: Mapping[str, Sequence[float]
   grid = {name: [float(v) for v in values] for name, values in grid.items()}
   cells = cells_lib.grid(aggregator, **grid)
   out_dir = controls.out_dir or default_out_dir(config)
-  with claimed(out_dir):
+  with claimed(out_dir, controls.resume):
     prepare_out_dir(out_dir, controls.resume, controls.overwrite, record_key="grid")
     meta = {}
     if domain_graphs is None:

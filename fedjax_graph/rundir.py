@@ -61,7 +61,7 @@ _CLAIMED: set = set()  # folders this process holds (resolved paths)
 
 
 @contextlib.contextmanager
-def claimed(out_dir: pathlib.Path):
+def claimed(out_dir: pathlib.Path, resume: bool = False):
   """Holds ``out_dir`` for this process while the body runs; another process is refused.
 
   An exclusive ``flock`` on ``<out_dir>/.lock``, taken before the folder's
@@ -77,7 +77,8 @@ def claimed(out_dir: pathlib.Path):
 
   Raises:
     ValueError: another live process holds the folder (its pid named, from
-      the ``writer`` of its config.json where there is one).
+      the ``writer`` of its config.json where there is one); the advice it
+      ends with is for a ``--resume`` when ``resume``, else for a new run.
   """
   key = out_dir.resolve()
   if fcntl is None or not is_writer() or key in _CLAIMED:
@@ -85,7 +86,7 @@ def claimed(out_dir: pathlib.Path):
     return
   created = not out_dir.exists()
   out_dir.mkdir(parents=True, exist_ok=True)
-  fd = _lock(out_dir / LOCK)
+  fd = _lock(out_dir / LOCK, resume)
   _CLAIMED.add(key)
   try:
     yield
@@ -98,7 +99,7 @@ def claimed(out_dir: pathlib.Path):
         out_dir.rmdir()
 
 
-def _lock(path: pathlib.Path) -> int:
+def _lock(path: pathlib.Path, resume: bool) -> int:
   """An open descriptor of ``path`` holding its exclusive lock (see ``claimed``)."""
   while True:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -106,8 +107,10 @@ def _lock(path: pathlib.Path) -> int:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       os.close(fd)
+      advice = ("wait for it to end, or stop it and then resume" if resume
+                else "wait for it to end or stop it, or choose another --out")
       raise ValueError(f"{path.parent} is being written by another run{_writer(path.parent)}; "
-                       "wait for it to end or stop it, or choose another --out") from None
+                       f"{advice}") from None
     try:
       current = os.stat(path).st_ino == os.fstat(fd).st_ino
     except FileNotFoundError:

@@ -67,7 +67,9 @@ def usage_error(script: str, argv: list, capsys) -> str:
   with pytest.raises(SystemExit) as exit_info:
     script_main(script)(argv)
   assert exit_info.value.code == 2
-  return capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert "usage:" not in err and err.endswith(".py --help lists the flags\n")  # cli.Parser
+  return err
 
 
 def vmapped_and_looped(sim, federation, *inputs):

@@ -44,18 +44,21 @@ def test_comma_lists_parse():
 @pytest.mark.parametrize("flags, message", [
     (["--rho", "0.1,,0.3"], "argument --rho: empty item in '0.1,,0.3'"),
     (["--seeds", "0,1,"], "argument --seeds: empty item in '0,1,'"),
-    (["--set", "hidden=64.5"], "hidden = 64.5; must be an integer"),
+    (["--set", "hidden=64.5"], "hidden = 64.5; must be an integer (--set hidden=...)"),
     (["--set", "colour=red"], "unknown config field 'colour' in 'colour=red'; valid: dataset, "),
     (["--set", "lr"], "argument --set: 'lr' is not key=value"),
     (["--backbone", "gcn", "--set", "backbone=mlp"],
      "backbone is set twice (--backbone and --set backbone=...); give it once"),
-    (["--set", "lr=0.1", "--set", "lr=0.2"], "lr is set twice (--set and --set lr=...)"),
+    (["--set", "lr=0.1", "--set", "lr=0.2"], "lr is set twice (--set lr=... and --set lr=...)"),
     (["--config", "x.yaml"], "give --config FILE or --dataset/--setting, not both"),
     (["--set", "dataset=twitch"], "--set dataset=... cannot change the dataset: choose it with "
                                   "--dataset"),
     (["--set", "setting=s3"], "--set setting=... cannot change the setting"),
     (["--set", "allow_empty_clients=no"], "allow_empty_clients = 'no'; must be true or false"),
-    (["--set", "lr=.inf"], "lr = inf; must be a finite number"),
+    (["--set", "lr=.inf"], "lr = inf; must be a finite number (--set lr=...)"),
+    (["--participation", "2"], "participation = 2.0; must be in (0, 1] (--participation)"),
+    (["--set", "clients_per_domain={chameleon: 0, squirrel: 1, crocodile: 1}"],
+     "clients_per_domain['chameleon'] = 0; must be an integer >= 1 (--set clients_per_domain=...)"),
 ])
 def test_grid_usage_errors_before_any_file(flags, message, tmp_path, capsys):
   argv = ["--dataset", "wikinet", "--out", str(tmp_path / "x"), *flags]
@@ -148,17 +151,18 @@ def test_ctrl_c_says_what_was_kept_and_names_the_folder(tmp_path, capsys):
   out.mkdir()
   (out / "config.json").write_text(json.dumps({"status": "running"}))
   assert _interrupted(out, capsys) == (
-      f"interrupted before the first checkpoint: no round was saved; --resume {out} starts the "
-      "run again from round 1 with its config.json")
+      f"interrupted before the first checkpoint: no round was saved; python experiments/grid.py "
+      f"--resume {out} starts the run again from round 1 with its config.json")
   (out / "checkpoint.msgpack").write_bytes(b"x")
   assert _interrupted(out, capsys) == (f"interrupted; {out} keeps checkpoint.msgpack: continue "
-                                       f"with --resume {out}")
+                                       f"with python experiments/grid.py --resume {out}")
   (out / "checkpoint.msgpack").unlink()
   (out / "runs").mkdir()
   (out / "runs" / "fedavg.npz").write_bytes(b"x")
   (out / "checkpoint-fedprox.msgpack").write_bytes(b"x")
   assert _interrupted(out, capsys) == (f"interrupted; {out} keeps checkpoint-fedprox.msgpack, "
-                                       f"runs/fedavg.npz: continue with --resume {out}")
+                                       "runs/fedavg.npz: continue with python "
+                                       f"experiments/grid.py --resume {out}")
   (out / "config.json").write_text(json.dumps({"status": "finished"}))
   assert _interrupted(out, capsys) == f"interrupted; {out} still holds the finished run it held"
 

@@ -414,6 +414,10 @@ def test_cli_summary(tmp_path, capsys):
     assert cli_main(["--dataset", "twitch", "--raw-dir", str(tmp_path / "nope"),
                      "--cache-dir", str(tmp_path / "c2")]) == 1
     assert "musae_DE_edges.csv" in capsys.readouterr().err
+    # Bad data is exit 2, as in the experiments' scripts.
+    (tmp_path / "raw" / "twitch" / "FR" / "musae_FR_target.csv").write_text("id,mature\n0,x\n")
+    assert cli_main(args + ["--force"]) == 2
+    assert capsys.readouterr().err.startswith("python -m data_prep: error: ")
 
 
 def test_unknown_names_list_valid_ones(tmp_path):

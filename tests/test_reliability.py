@@ -257,10 +257,10 @@ def test_a_folder_a_live_run_writes_is_refused_whatever_the_flags(tmp_path):
                            text=True, cwd=REPO)
   try:
     assert child.stdout.readline() == "held\n"
-    for flags in ({"resume": True, "overwrite": False}, {"resume": False, "overwrite": True}):
-      with pytest.raises(ValueError, match=f"being written by another run \\(pid {child.pid}, "):
-        with rundir.claimed(out):
-          rundir.prepare_out_dir(out, record_key="grid", **flags)
+    for resume, advice in ((True, "stop it and then resume$"), (False, "choose another --out$")):
+      with pytest.raises(ValueError, match=f"another run \\(pid {child.pid}, .*{advice}"):
+        with rundir.claimed(out, resume):
+          rundir.prepare_out_dir(out, resume, overwrite=not resume, record_key="grid")
     # An ended run's config.json (the holder has not written its own yet) names no pid.
     record = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**record, "status": "finished"}))
