@@ -125,13 +125,13 @@ def verify_files(root: str | os.PathLike, relpaths: Iterable[str],
 def require_files(root: str | os.PathLike, relpaths: Iterable[str]) -> None:
     """Raises FileNotFoundError naming the missing files (up to five) under ``root``."""
     root = pathlib.Path(root)
+    relpaths = list(relpaths)
     missing = [rel for rel in relpaths if not (root / rel).is_file()]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise FileNotFoundError(
             f"missing raw file(s) under {root}: {', '.join(missing[:5])}{more} "
-            f"(the raw folder must hold the SNAP archive layout, e.g. "
-            f"<raw>/twitch/DE/musae_DE_edges.csv)")
+            f"(the raw folder must hold the SNAP archive layout, e.g. <raw>/{relpaths[0]})")
 
 
 def hash_files(root: str | os.PathLike, relpaths: Iterable[str]) -> dict[str, str]:

@@ -89,6 +89,7 @@ def fetch(url: str, dest: str | os.PathLike, expected_sha256: str | None = None,
             raise _checksums.ChecksumError(
                 f"checksum mismatch for {dest.name} downloaded from {url}: expected sha256 "
                 f"{expected_sha256}, got {digest.hexdigest()}")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, dest)
         return dest
     finally:

@@ -31,7 +31,8 @@ def main(argv=None):
                       help="comma list holding fedia; each other server rule (from "
                            f"{', '.join(a for a in AGGREGATORS if a != 'fedia')}) adds a row "
                            "FedAvg+<rule> to each setting (default: %(default)s)")
-  cli.add_method_config_flag(parser, "FedAvg's (rho, beta) per setting")
+  cli.add_method_config_flag(parser, "FedAvg's (rho, beta) per setting",
+                             "fedia: {twitch: {s1: {fedavg: [0.5, 0.5]}}}")
   args = cli.parse_args(parser, argv)
 
   def run():

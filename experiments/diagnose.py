@@ -23,7 +23,7 @@ from fedjax_graph.dissection import run_diagnose  # noqa: E402
 
 def main(argv=None):
   parser = cli.Parser(__doc__)
-  cli.add_federation_flags(parser)
+  cli.add_federation_flags(parser, resumable=False)
   parser.add_argument("--backbones", type=cli.str_list, default="pmlp_gcn,mlp,gcn",
                       help="comma list of backbones (default: %(default)s)")
   parser.add_argument("--aggregators", type=cli.str_list, default="fedavg,fedia",

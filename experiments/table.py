@@ -43,7 +43,7 @@ def main(argv=None):
                            "val (best validation AVG over its grid, each hyper-parameter over "
                            "0.1,...,0.9, in the method's one sweep) (default: %(default)s)")
   cli.add_method_config_flag(parser, "each method's hyper-parameters, FedIA's (rho, beta) "
-                                     "and the other aggregators'")
+                                     "and the other aggregators'", "hparams: {fgssl: {loss: code}}")
   parser.add_argument("--rows-so-far", type=pathlib.Path, default=None, metavar="DIR",
                       help="print the rows of the methods finished so far in the table run in "
                            "DIR (running or interrupted) and write them to DIR/partial.md, .csv "

@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import os
 import pathlib
 import re
 import sys
@@ -62,11 +63,14 @@ def memory_size(text: str) -> int:
     raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_federation_flags(parser: argparse.ArgumentParser) -> None:
-  """Dataset, preset, rounds, seeds, data locations and run controls."""
+def add_federation_flags(parser: argparse.ArgumentParser, resumable: bool = True) -> None:
+  """Dataset, preset, rounds, seeds, data locations and run controls.
+
+  ``resumable``: the script also takes ``--config FILE`` and ``--resume DIR``.
+  """
   parser.add_argument("--dataset", choices=list(DATASETS),
-                      help="MUSAE dataset: twitch (6 countries) or wikinet (3 wikis); required "
-                           "unless --config FILE or --resume DIR")
+                      help="MUSAE dataset: twitch (6 countries) or wikinet (3 wikis); required" +
+                           (" unless --config FILE or --resume DIR" if resumable else ""))
   parser.add_argument("--setting", default=None,
                       help="preset in configs/: s1, s2, s3 for twitch (default s1); "
                            "default for wikinet")
@@ -189,14 +193,17 @@ def sweep_parser(description: str) -> argparse.ArgumentParser:
   return parser
 
 
-def add_method_config_flag(parser: argparse.ArgumentParser, what: str) -> None:
-  """--method-config FILE: the YAML of methods' and aggregators' hyper-parameters (table, ablation)."""
+def add_method_config_flag(parser: argparse.ArgumentParser, what: str, example: str) -> None:
+  """--method-config FILE: the YAML of methods' and aggregators' hyper-parameters (table, ablation).
+
+  ``what``: what the script reads from it; ``example``: a one-value change, as YAML.
+  """
   from fedjax_graph.methods import METHODS_FILE  # the methods' import cost only here
 
   parser.add_argument("--method-config", type=pathlib.Path, default=METHODS_FILE,
                       help=f"YAML with {what}; its entries replace those of "
-                           "configs/methods/defaults.yaml key by key (e.g. "
-                           "'hparams: {fgssl: {loss: code}}' changes one value)")
+                           f"configs/methods/defaults.yaml key by key (e.g. '{example}' "
+                           "changes one value)")
 
 
 def add_output_flags(parser: argparse.ArgumentParser) -> None:
@@ -321,7 +328,25 @@ def guarded(parser: argparse.ArgumentParser, run: Callable[[], object],
   except (OSError, NonFiniteUpdateError) as err:  # Missing files, no network, bad paths.
     sys.exit(f"error: {err}")
   except KeyboardInterrupt:
-    sys.exit(interrupted(args.resume or args.out, _script(parser)))
+    print(interrupted(args.resume or args.out, _script(parser)), file=sys.stderr)
+    exit_now(INTERRUPTED)
+
+
+INTERRUPTED = 130
+"""The exit status of a run stopped by Ctrl-C: the shell's for SIGINT (128 + 2)."""
+
+
+def exit_now(status: int) -> None:
+  """Ends the process at once (``os._exit``), without the interpreter's teardown.
+
+  Ctrl-C can stop Python while XLA still runs a dispatched computation on its
+  own threads, and tearing the interpreter down under it segfaults. What a
+  stopped run must leave (config.json's status, checkpoints, the released
+  folder lock) was written by the ``finally`` blocks the interrupt passed.
+  """
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)
 
 
 class _Stderr(logging.Handler):

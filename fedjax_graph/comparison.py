@@ -454,6 +454,9 @@ def run_table(config: Config, method_names: Sequence[str], seeds: Sequence[int],
   check_run_args(rounds, last, seeds)
   if select not in SELECTIONS:
     raise ValueError(f"select = {select!r}; choose one of {SELECTIONS}")
+  if select == "val" and config.split[1] == 0:
+    raise ValueError(f"select = 'val' needs validation nodes; split = {list(config.split)} "
+                     "gives none")
   defaults = _checked(defaults)
   aggregators = list(aggregators)
   check_methods(method_names, aggregators, config, defaults)

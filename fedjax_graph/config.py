@@ -48,6 +48,7 @@ class YamlLoader(yaml.SafeLoader):
   (also ``True``, ``TRUE``, ...) are booleans, integers are decimal, ``0o``
   octal or ``0x`` hexadecimal, and floats include ``1e-5``, ``1E3`` and ``.5``;
   anything else is a string, which the ``Config`` check then rejects by name.
+  A key given twice in one mapping is an error, as in YAML 1.2.
   """
 
 
@@ -72,6 +73,21 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
 
 
 YamlLoader.add_constructor(_INT, _construct_int)
+
+
+def _construct_map(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+  # YAML 1.2 keys are unique; PyYAML keeps the last of two silently (``lr: 0.1`` then ``lr: 0.2``).
+  seen = set()
+  for key_node, _ in node.value:
+    key = loader.construct_object(key_node, deep=True)
+    if key in seen:
+      raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
+                                              key_node.start_mark)
+    seen.add(key)
+  return loader.construct_mapping(node, deep=True)
+
+
+YamlLoader.add_constructor("tag:yaml.org,2002:map", _construct_map)
 
 
 def load_yaml(stream) -> Any:
@@ -182,8 +198,9 @@ class Config:
         raise ValueError(f"{name} = {value!r}; must be a finite number")
     split = self.split
     if (len(split) != 3 or not all(math.isfinite(f) for f in split) or min(split) < 0
-        or abs(sum(split) - 1) > 1e-6 or split[0] == 0):
-      raise ValueError(f"split = {list(split)}; must be 3 fractions >= 0 summing to 1, train > 0")
+        or abs(sum(split) - 1) > 1e-6 or split[0] == 0 or split[2] == 0):
+      raise ValueError(f"split = {list(split)}; must be 3 fractions >= 0 summing to 1, "
+                       "train > 0 and test > 0")
     object.__setattr__(self, "clients_per_domain",
                        {d: self.clients_per_domain[d] for d in domains})
     if self.backbone not in models.BACKBONES:
@@ -274,8 +291,9 @@ def _make(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> Config:
   if unknown:
     raise ValueError(f"unknown config field(s) {unknown}; valid: {sorted(FIELDS)}")
   missing = [name for name in _REQUIRED if name not in raw]
-  if missing:
-    raise ValueError(f"config field(s) {missing} missing; required: {list(_REQUIRED)}")
+  if missing:  # a config file's setting defaults to its name: not required of the user
+    required = [name for name in _REQUIRED if name != "setting"]
+    raise ValueError(f"config field(s) {missing} missing; required: {required}")
   return Config(**raw)
 
 

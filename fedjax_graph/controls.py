@@ -49,7 +49,7 @@ class RunControls:
 
   Attributes:
     out_dir: where to write; None: ``results/<dataset>-<setting>[-<kind>]-<timestamp>``.
-    raw_dir, cache_dir: data locations (see ``data.load_dataset``).
+    raw_dir, cache_dir: data locations (see ``data.load_dataset``), made absolute.
     verify: check the raw files against the SNAP checksums.
     chunk: rounds per compiled call; progress and checkpoints per chunk.
     progress: show a progress bar.
@@ -97,9 +97,15 @@ class RunControls:
                          f"{available[0].platform} device(s): choose 1 to {len(available)}")
     if self.nonfinite not in NONFINITE_POLICIES:
       raise ValueError(f"nonfinite = {self.nonfinite!r}; choose one of {NONFINITE_POLICIES}")
-    for name in ("out_dir", "raw_dir", "cache_dir"):
+    if self.out_dir is not None:
+      object.__setattr__(self, "out_dir", pathlib.Path(self.out_dir))
+    for name in ("raw_dir", "cache_dir"):  # absolute: config.json's record resumes from any folder
       if getattr(self, name) is not None:
-        object.__setattr__(self, name, pathlib.Path(getattr(self, name)))
+        object.__setattr__(self, name, pathlib.Path(getattr(self, name)).expanduser().absolute())
+    for name in ("out_dir", "raw_dir", "cache_dir"):
+      path = getattr(self, name)
+      if path is not None and path.exists() and not path.is_dir():
+        raise ValueError(f"{name} = {path}; must be a folder, not a file")
 
   def replace(self, **changes) -> "RunControls":
     return dataclasses.replace(self, **changes)

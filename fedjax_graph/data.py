@@ -112,7 +112,8 @@ def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np
   Raises:
     ValueError: if a domain is missing, feature widths differ, a domain has
       fewer nodes than clients, a client gets no training node (unless
-      ``config.allow_empty_clients``), or no seed is given.
+      ``config.allow_empty_clients``), a domain gets no test node, or no
+      seed is given.
   """
   domain_graphs = graphs.check_domain_graphs(domain_graphs, config.domains)
   seeds = tuple(int(s) for s in seeds)
@@ -126,6 +127,10 @@ def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np
   if len(widths) != 1:
     raise ValueError(f"domains have different feature widths {sorted(widths)}")
   num_classes = int(max(domain_graphs[d]["y"].max() for d in domains)) + 1
+  for d in domains:
+    if config.clients_per_domain[d] > len(domain_graphs[d]["y"]):
+      raise ValueError(f"clients_per_domain[{d!r}] = {config.clients_per_domain[d]}; its "
+                       f"{len(domain_graphs[d]['y'])} nodes allow 1 to {len(domain_graphs[d]['y'])}")
 
   per_seed = [[client for i, d in enumerate(domains)
                for client in partition.partition_domain(
@@ -139,6 +144,12 @@ def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np
   if empty and not config.allow_empty_clients:
     raise ValueError(f"client(s) without training nodes: {empty}; use fewer clients per domain "
                      "or set allow_empty_clients: true to give them weight 0")
+  test_nodes = np.array([np.bincount(client_domain, [c.num_test for c in clients], len(domains))
+                         for clients in per_seed])  # [S, domains]
+  untested = [d for d, n in zip(domains, test_nodes.min(axis=0)) if n == 0]
+  if untested:
+    raise ValueError(f"domain(s) {untested} get no test node with split = {list(config.split)}: "
+                     "their test accuracy would be undefined; give test a larger fraction")
 
   eval_x, eval_y, eval_domain, eval_graph, offsets = _union_graph(domain_graphs, domains,
                                                                   pad_multiple)

@@ -78,7 +78,9 @@ def run_diagnose(dataset: str, setting: Optional[str], backbones: Sequence[str],
   unknown = [a for a in aggregators if a not in AGGREGATORS]
   if unknown or not aggregators or len(set(aggregators)) != len(aggregators):
     raise ValueError(f"aggregators = {list(aggregators)}; choose from {list(AGGREGATORS)}")
-  configs = {b: load_preset(dataset, setting, backbone=b) for b in backbones}
+  # SFPD has no norm layer to take the preset's batch norm, and this tool has no --norm.
+  configs = {b: load_preset(dataset, setting, backbone=b, **({"norm": "none"} if b == "sfpd" else {}))
+             for b in backbones}
   first = configs[backbones[0]]
   cells = cells_lib.Cells([cells_lib.cell("fedia", rho=rho, beta=beta) if a == "fedia"
                            else cells_lib.cell(cells_lib.BASE) for a in aggregators])

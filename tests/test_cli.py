@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -130,41 +131,47 @@ def test_resume_takes_the_flags_that_apply(tmp_path):
   assert controls.devices == 1 and controls.max_memory == 2 * 2**30
 
 
-def _interrupted(out, capsys):
-  """Runs a body that Ctrl-C stops, under ``cli.guarded``; returns the line it exits with."""
-  args = argparse.Namespace(resume=None, out=out)
+@pytest.fixture
+def ctrl_c(capsys, monkeypatch):
+  """``ctrl_c(out)``: the line ``cli.guarded`` prints for a body Ctrl-C stops (``args.out = out``)."""
 
-  def run():
-    raise KeyboardInterrupt
+  def exit_now(status):  # os._exit would end pytest
+    raise SystemExit(status)
 
-  with pytest.raises(SystemExit) as exit_info:
-    cli.guarded(_parser(), run, args)
-  return exit_info.value.code
+  monkeypatch.setattr(cli, "exit_now", exit_now)
+
+  def interrupt(out):
+    def run():
+      raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_info:
+      cli.guarded(_parser(), run, argparse.Namespace(resume=None, out=out))
+    assert exit_info.value.code == cli.INTERRUPTED
+    return capsys.readouterr().err.removesuffix("\n")
+
+  return interrupt
 
 
-def test_ctrl_c_says_what_was_kept_and_names_the_folder(tmp_path, capsys):
+def test_ctrl_c_says_what_was_kept_and_names_the_folder(tmp_path, ctrl_c):
   out = tmp_path / "run"
-  assert _interrupted(None, capsys) == ("interrupted before the run chose its output folder; "
-                                        "nothing was saved")
-  assert _interrupted(out, capsys) == (f"interrupted before anything was written to {out}; "
-                                       "nothing was saved")
+  assert ctrl_c(None) == "interrupted before the run chose its output folder; nothing was saved"
+  assert ctrl_c(out) == f"interrupted before anything was written to {out}; nothing was saved"
   out.mkdir()
   (out / "config.json").write_text(json.dumps({"status": "running"}))
-  assert _interrupted(out, capsys) == (
+  assert ctrl_c(out) == (
       f"interrupted before the first checkpoint: no round was saved; python experiments/grid.py "
       f"--resume {out} starts the run again from round 1 with its config.json")
   (out / "checkpoint.msgpack").write_bytes(b"x")
-  assert _interrupted(out, capsys) == (f"interrupted; {out} keeps checkpoint.msgpack: continue "
-                                       f"with python experiments/grid.py --resume {out}")
+  assert ctrl_c(out) == (f"interrupted; {out} keeps checkpoint.msgpack: continue with python "
+                         f"experiments/grid.py --resume {out}")
   (out / "checkpoint.msgpack").unlink()
   (out / "runs").mkdir()
   (out / "runs" / "fedavg.npz").write_bytes(b"x")
   (out / "checkpoint-fedprox.msgpack").write_bytes(b"x")
-  assert _interrupted(out, capsys) == (f"interrupted; {out} keeps checkpoint-fedprox.msgpack, "
-                                       "runs/fedavg.npz: continue with python "
-                                       f"experiments/grid.py --resume {out}")
+  assert ctrl_c(out) == (f"interrupted; {out} keeps checkpoint-fedprox.msgpack, runs/fedavg.npz: "
+                         f"continue with python experiments/grid.py --resume {out}")
   (out / "config.json").write_text(json.dumps({"status": "finished"}))
-  assert _interrupted(out, capsys) == f"interrupted; {out} still holds the finished run it held"
+  assert ctrl_c(out) == f"interrupted; {out} still holds the finished run it held"
 
 
 def test_a_batch_over_the_budget_is_a_one_line_error_not_a_usage_error(capsys):
@@ -179,24 +186,25 @@ def test_a_batch_over_the_budget_is_a_one_line_error_not_a_usage_error(capsys):
   assert "usage:" not in capsys.readouterr().err
 
 
-def test_a_stopped_sweep_says_so_in_config_json(tmp_path):
+def test_a_stopped_sweep_says_so_in_config_json(tmp_path, ctrl_c):
   from fedjax_graph.rundir import marks_stopped
   record = {"status": "running", "seeds": [0]}
   with pytest.raises(KeyboardInterrupt), marks_stopped(tmp_path, record):
     raise KeyboardInterrupt
   assert json.loads((tmp_path / "config.json").read_text()) == {
       "status": "stopped: KeyboardInterrupt", "seeds": [0]}
-  assert _interrupted(tmp_path, None).startswith("interrupted before the first checkpoint")
+  assert ctrl_c(tmp_path).startswith("interrupted before the first checkpoint")
 
 
-def test_ctrl_c_in_a_script_names_the_default_folder(monkeypatch, capsys):
+def test_ctrl_c_in_a_script_names_the_default_folder(ctrl_c, monkeypatch, capsys):
   def stopped(*args, **kwargs):
     raise KeyboardInterrupt
 
   monkeypatch.setattr(experiment, "run_grid", stopped)
   with pytest.raises(SystemExit) as exit_info:
     script_main("grid")(["--dataset", "wikinet"])
-  message = exit_info.value.code
+  assert exit_info.value.code == cli.INTERRUPTED
+  message = capsys.readouterr().err
   assert message.startswith("interrupted before anything was written to results/wikinet-default-")
   assert "DIR" not in message
 
@@ -219,3 +227,17 @@ def test_a_truncated_checkpoint_names_the_file_and_the_way_out(tmp_path):
 
 def test_one_atomic_write_helper():
   assert report._atomic_write is io.atomic_write
+
+
+def test_data_folders_are_absolute_folders_so_a_resume_works_from_anywhere(tmp_path, monkeypatch):
+  from fedjax_graph.controls import RunControls
+
+  monkeypatch.chdir(tmp_path)
+  controls = RunControls(raw_dir="../raw", cache_dir="~/cache", out_dir="out")
+  assert controls.raw_dir == tmp_path / ".." / "raw"
+  assert controls.cache_dir == pathlib.Path.home() / "cache"
+  assert controls.out_dir == pathlib.Path("out")  # as given: messages name it as the user did
+  (tmp_path / "afile").write_text("")
+  for name in ("out_dir", "raw_dir", "cache_dir"):
+    with pytest.raises(ValueError, match=f"^{name} = .*afile; must be a folder, not a file$"):
+      RunControls(**{name: tmp_path / "afile"})

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -50,6 +51,14 @@ def test_non_finite_numbers_are_out_of_range(overrides, message):
     config.load_preset("wikinet", **overrides)
 
 
+@pytest.mark.parametrize("split", [(0.8, 0.2, 0.0), (0.0, 0.5, 0.5), (0.6, 0.2, 0.3)])
+def test_a_split_must_train_and_test(split):
+  with pytest.raises(ValueError, match=re.escape(
+      f"split = {list(split)}; must be 3 fractions >= 0 summing to 1, train > 0 and test > 0")):
+    config.load_preset("wikinet", split=split)
+  config.load_preset("wikinet", split=(0.8, 0.0, 0.2))  # no validation nodes is allowed
+
+
 def test_a_config_file_anywhere_with_weight_decay_1e_5(tmp_path):
   path = tmp_path / "mine.yaml"
   path.write_text(WIKINET + "weight_decay: 1e-5\nhidden: 16\nlr: 1\n")
@@ -73,7 +82,9 @@ def test_a_config_file_anywhere_with_weight_decay_1e_5(tmp_path):
 def test_wrong_types_are_one_line_errors_naming_field_and_what_is_allowed(tmp_path, line,
                                                                           message):
   path = tmp_path / "bad.yaml"
-  path.write_text(WIKINET + line + "\n")
+  key = line.split(":")[0]
+  kept = [kept for kept in WIKINET.splitlines() if not kept.startswith(f"{key}:")]
+  path.write_text("\n".join([*kept, line]) + "\n")
   with pytest.raises(ValueError) as err:
     config.load_config(path)
   assert message in str(err.value) and "\n" not in str(err.value)
@@ -88,7 +99,9 @@ def test_every_type_error_is_reported_at_once():
 
 @pytest.mark.parametrize("text, message", [
     ("dataset: wikinet\nsplit: [0.6, 0.2, 0.2]\n",
-     "config field(s) ['clients_per_domain'] missing; required:"),
+     "config field(s) ['clients_per_domain'] missing; required: ['dataset', 'clients_per_domain', "
+     "'split']"),
+    (WIKINET + "lr: 0.1\nlr: 0.2\n", "is not valid YAML: duplicate key 'lr' (line "),
     (WIKINET + "colour: red\n", "unknown config field(s) ['colour']; valid: ["),
     ("- dataset\n", "must hold a mapping of config fields (field: value), not list"),
     (WIKINET + "hidden: [8\n", "is not valid YAML: expected ',' or ']'"),

@@ -409,6 +409,8 @@ def test_cli_summary(tmp_path, capsys):
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "built" in out and "FR" in out and "50.0%" in out
+    # Readable like any file (mkstemp's 0600 is not kept), the metadata too.
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "c" / "twitch").iterdir()} == {0o644}
     assert cli_main(args) == 0
     assert "reused" in capsys.readouterr().out
     assert cli_main(["--dataset", "twitch", "--raw-dir", str(tmp_path / "nope"),
@@ -417,7 +419,8 @@ def test_cli_summary(tmp_path, capsys):
     # Bad data is exit 2, as in the experiments' scripts.
     (tmp_path / "raw" / "twitch" / "FR" / "musae_FR_target.csv").write_text("id,mature\n0,x\n")
     assert cli_main(args + ["--force"]) == 2
-    assert capsys.readouterr().err.startswith("python -m data_prep: error: ")
+    # The last line (a script run before may have routed the "building ..." log to stderr).
+    assert capsys.readouterr().err.splitlines()[-1].startswith("python -m data_prep: error: ")
 
 
 def test_unknown_names_list_valid_ones(tmp_path):

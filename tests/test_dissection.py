@@ -58,6 +58,16 @@ def test_diagnose_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, 
       diagnostics.random_overlap_reference(0.05))
 
 
+def test_diagnose_runs_every_backbone_it_offers_sfpd_too(tiny_wikinet, tmp_path):
+  from fedjax_graph.dissection import run_diagnose
+
+  # SFPD has no norm layer, and diagnose.py has no --norm to turn the preset's batch norm off.
+  headline = run_diagnose("wikinet", None, ["sfpd"], ["fedavg"], [1, 2], 2, [0],
+                          out_dir=tmp_path / "d", progress=False, domain_graphs=tiny_wikinet)
+  assert "sfpd/fedavg" in json.dumps(headline)
+  assert json.loads((tmp_path / "d" / "config.json").read_text())["configs"]["sfpd"]["norm"] == "none"
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--checkpoints", "0,3"], "checkpoints = [0, 3]"),
     (["--checkpoints", "5", "--rounds", "3"], "checkpoints = [5]"),

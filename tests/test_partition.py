@@ -327,7 +327,15 @@ class TestBuildFederation:
   def test_domain_smaller_than_client_count_raises(self):
     config = load_preset("wikinet", hidden=8)
     domains = _fake_domains({"chameleon": 30, "squirrel": 1, "crocodile": 31})
-    with pytest.raises(ValueError, match="1 nodes into 2 clients"):
+    with pytest.raises(ValueError, match=r"clients_per_domain\['squirrel'\] = 2; its 1 nodes "
+                                         "allow 1 to 1"):
+      data.build_federation(config, domains, seeds=[0])
+
+  def test_domain_without_test_nodes_raises(self):
+    # squirrel's 2 nodes in 2 clients: round(0.6 * 1) = 1 train node each, none left to test.
+    config = load_preset("wikinet", hidden=8, split=(0.6, 0.1, 0.3))
+    domains = _fake_domains({"chameleon": 30, "squirrel": 2, "crocodile": 31})
+    with pytest.raises(ValueError, match=r"domain\(s\) \['squirrel'\] get no test node"):
       data.build_federation(config, domains, seeds=[0])
 
   def test_missing_domain_raises(self):

@@ -43,7 +43,7 @@ def _interrupting(sim, after_chunks):
   return sim._replace(run_chunk=run_chunk)
 
 
-def test_resumed_sweep_equals_uninterrupted(setup, tmp_path):
+def test_resumed_sweep_equals_uninterrupted(setup, tmp_path, capsys):
   cfg, federation, sim = setup
   cells = cells_lib.grid("fedia", rho=[0.3, 0.7], beta=[0.5])
   controls = QUIET.replace(chunk=2)
@@ -54,8 +54,10 @@ def test_resumed_sweep_equals_uninterrupted(setup, tmp_path):
   with pytest.raises(Interrupt):
     run(_interrupting(sim, after_chunks=2), path)
   assert path.exists()
+  capsys.readouterr()
   resumed = run(sim, path)
   assert len(resumed.seconds) == 1  # only the last chunk ran again
+  assert capsys.readouterr().out.endswith("; resumes at round 5 of 6\n")
   for name in ("test_acc", "val_acc", "train_loss", "alpha", "mask_coverage", "nonfinite"):
     np.testing.assert_array_equal(getattr(resumed, name), getattr(whole, name), err_msg=name)
   with pytest.raises(ValueError, match="different setup"):

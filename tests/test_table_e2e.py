@@ -101,6 +101,10 @@ def test_table_usage_errors(tmp_path, capsys):
   assert "majority, local, centralized" in err and "hparams" not in err
   assert "invalid choice: 'best'" in usage_error(
       "table", ["--dataset", "wikinet", "--select", "best"], capsys)
+  assert "select = 'val' needs validation nodes; split = [0.8, 0.0, 0.2] gives none" in usage_error(
+      "table", ["--dataset", "wikinet", "--select", "val", "--set", "split=[0.8, 0, 0.2]", "--out",
+                str(tmp_path / "val")], capsys)
+  assert not (tmp_path / "val").exists()
   assert "methods = ['fedavg', 'fedavg']; give at least one, without repeats" in usage_error(
       "table", ["--dataset", "wikinet", "--methods", "fedavg,fedavg"], capsys)
   assert "participation = 1.5; must be in (0, 1]" in usage_error(
