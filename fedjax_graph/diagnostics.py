@@ -106,7 +106,7 @@ def _check_top(top: Any) -> float:
     )
   top = float(top)
   if not 0.0 < top <= 1.0:
-    raise ValueError(f"top must be in (0, 1], got top={top!r}.")
+    raise ValueError(f"top = {top!r}; must be in (0, 1]")
   return top
 
 

@@ -80,8 +80,8 @@ def test_grid_end_to_end_on_real_wikinet(raw_dir, prepared_cache, tmp_path, caps
 
 @pytest.mark.parametrize("flags, message", [
     (["--rounds", "3", "--last", "5"], "last = 5"),
-    (["--rho", "0.5,1.5"], "got rho=1.5"),
-    (["--beta", "-0.1"], "got beta=-0.1"),
+    (["--rho", "0.5,1.5"], "rho = 1.5; must be in (0, 1]"),
+    (["--beta", "-0.1"], "beta = -0.1; must be in [0, 1]"),
     (["--aggregator", "gma", "--rho", "0.5"],
      "--rho: not a hyper-parameter of --aggregator gma, whose are tau"),
     (["--aggregator", "krum"], "invalid choice: 'krum'"),

@@ -158,9 +158,9 @@ def test_grid_cells_validate_and_order():
                           "FedIA ρ=0.5, β=0.9", "FedAvg"]
   np.testing.assert_allclose(cells.hparam_table()["rho"], [0.1, 0.1, 0.5, 0.5, np.nan])
   assert [g.aggregator for g in cells.groups] == ["fedia", "fedavg"]
-  with pytest.raises(ValueError, match="got rho=0.0"):
+  with pytest.raises(ValueError, match="rho = 0.0; must be in"):
     cells_lib.grid("fedia", rho=[0.0], beta=[0.5])
-  with pytest.raises(ValueError, match="got beta=1.5"):
+  with pytest.raises(ValueError, match="beta = 1.5; must be in"):
     cells_lib.grid("fedia", rho=[0.5], beta=[1.5])
   with pytest.raises(ValueError, match=r"rho = \[0.3, 0.3\]; a value is given twice"):
     cells_lib.grid("fedia", rho=[0.3, 0.3], beta=[0.5])

@@ -249,7 +249,7 @@ def check_hparam(name: str, spec: HParam, value: Any) -> None:
     v = float(value)
     above_low = v > spec.low if spec.open_low else v >= spec.low
     if not (above_low and v <= spec.high):  # Also rejects NaN.
-      raise ValueError(f"{name} must be in {spec.describe()}, got {name}={value!r}.")
+      raise ValueError(f"{name} = {value!r}; must be in {spec.describe()}")
 
 
 def resolve_hparams(
