@@ -362,8 +362,11 @@ def _script(parser: argparse.ArgumentParser) -> str:
   return str(started) if started.name == parser.prog else f"experiments/{parser.prog}"
 
 
-def interrupted(out_dir: Optional[pathlib.Path], script: str = "experiments/grid.py") -> str:
-  """The line for a run stopped by Ctrl-C: what ``out_dir`` kept and the command that goes on."""
+def interrupted(out_dir: Optional[pathlib.Path], script: str) -> str:
+  """The line for a run stopped by Ctrl-C: what ``out_dir`` kept and the command that goes on.
+
+  ``script``: the script's path as the user would type it (``experiments/table.py``).
+  """
   if out_dir is None:
     return "interrupted before the run chose its output folder; nothing was saved"
   out_dir = pathlib.Path(out_dir)

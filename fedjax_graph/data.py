@@ -128,9 +128,10 @@ def build_federation(config: Config, domain_graphs: Mapping[str, Mapping[str, np
     raise ValueError(f"domains have different feature widths {sorted(widths)}")
   num_classes = int(max(domain_graphs[d]["y"].max() for d in domains)) + 1
   for d in domains:
-    if config.clients_per_domain[d] > len(domain_graphs[d]["y"]):
-      raise ValueError(f"clients_per_domain[{d!r}] = {config.clients_per_domain[d]}; its "
-                       f"{len(domain_graphs[d]['y'])} nodes allow 1 to {len(domain_graphs[d]['y'])}")
+    n = len(domain_graphs[d]["y"])
+    if config.clients_per_domain[d] > n:
+      raise ValueError(f"clients_per_domain[{d!r}] = {config.clients_per_domain[d]}; its {n} "
+                       f"nodes allow 1 to {n}")
 
   per_seed = [[client for i, d in enumerate(domains)
                for client in partition.partition_domain(

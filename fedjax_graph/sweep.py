@@ -170,8 +170,9 @@ def run_sweep(config: Config, federation: Federation, cells: Cells, rounds: int,
   runner, plan = devices_lib.plan_batch(sim, federation, batch, state, start,
                                         min(chunk, rounds - start), controls.devices,
                                         controls.max_memory, schedule)
+  prefix = f"{description}: " if description else ""
   resumes = f"; resumes at round {start + 1} of {rounds}" if start else ""
-  print(f"{description}: " * bool(description) + plan.describe() + resumes)
+  print(prefix + plan.describe() + resumes)
   if on_plan is not None:
     on_plan(plan.record())
   bar = tqdm(total=rounds, initial=start, desc=description, unit="round",
