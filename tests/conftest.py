@@ -68,7 +68,7 @@ def usage_error(script: str, argv: list, capsys) -> str:
     script_main(script)(argv)
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
-  assert "usage:" not in err and err.endswith(".py --help lists the flags\n")  # cli.Parser
+  assert "usage:" not in err and err.endswith(" --help lists the flags\n")  # cli.Parser
   return err
 
 

@@ -228,7 +228,8 @@ def test_config_values_are_checked_with_named_messages(overrides, message):
 def test_more_clients_than_nodes_is_an_error(tiny_wikinet):
   cfg = config.load_preset("wikinet", hidden=8,
                            clients_per_domain={"chameleon": 41, "squirrel": 2, "crocodile": 2})
-  with pytest.raises(ValueError, match="cannot cut a domain of 40 nodes into 41 clients"):
+  with pytest.raises(ValueError,
+                     match=r"clients_per_domain\['chameleon'\] = 41; its 40 nodes allow 1 to 40"):
     data.build_federation(cfg, tiny_wikinet, seeds=[0])
 
 
