@@ -230,24 +230,31 @@ def config_from_args(parser: argparse.ArgumentParser, args,
     setting: a preset to take instead of ``--setting`` (ablation.py's ``--settings``).
   """
   try:
+    fields = _flag_fields(args)
+  except ValueError as err:
+    parser.error(str(err))
+  overrides = {key: value for key, (value, _) in fields.items()}
+  try:
     if args.config is not None:
       if args.dataset or args.setting:
         parser.error("give --config FILE or --dataset/--setting, not both")
       try:
-        return load_config(args.config, **preset_overrides(args))
+        return load_config(args.config, **overrides)
       except OSError as err:
         parser.error(f"--config {args.config}: {err.strerror or err}")
     if args.dataset is None:
       parser.error("--dataset or --config FILE is required (unless --resume DIR)")
-    return load_preset(args.dataset, setting or args.setting, **preset_overrides(args))
+    return load_preset(args.dataset, setting or args.setting, **overrides)
   except ValueError as err:
-    parser.error(_naming_flags(str(err), args))
+    parser.error(_naming_flags(str(err), fields))
 
 
-def _naming_flags(message: str, args) -> str:
-  """``message`` with the flags that set the fields it faults: ``lr = -1.0; ... (--set lr=...)``."""
-  flags = [flag for key, (_, flag) in _flag_fields(args).items()
-           if re.search(rf"(^|; ){key}( =|\[)", message)]
+def _naming_flags(message: str, fields: dict) -> str:
+  """``message`` with the flags that set the fields it faults: ``lr = -1.0; ... (--set lr=...)``.
+
+  ``fields``: ``_flag_fields``'s ``{field: (value, flag)}``.
+  """
+  flags = [flag for key, (_, flag) in fields.items() if re.search(rf"(^|; ){key}( =|\[)", message)]
   return f"{message} ({', '.join(flags)})" if flags else message
 
 

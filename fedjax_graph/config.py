@@ -79,6 +79,8 @@ def _construct_map(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
   # YAML 1.2 keys are unique; PyYAML keeps the last of two silently (``lr: 0.1`` then ``lr: 0.2``).
   seen = set()
   for key_node, _ in node.value:
+    if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+      continue  # construct_mapping rejects unhashable keys itself and merges ``<<``
     key = loader.construct_object(key_node, deep=True)
     if key in seen:
       raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",

@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import yaml
 
 from data_prep import registry
 from fedjax_graph import config
@@ -164,3 +165,12 @@ def test_dataset_names_come_from_the_data_registry():
 def test_presets_are_found_in_the_source_tree():
   assert config.CONFIG_DIR == REPO / "configs"
   assert config.preset_names() == {"twitch": ["s1", "s2", "s3"], "wikinet": ["default"]}
+
+
+def test_a_duplicate_key_is_an_error_but_merges_and_unhashable_keys_keep_their_handling():
+  with pytest.raises(yaml.YAMLError, match="duplicate key 'lr'"):
+    config.load_yaml("lr: 0.1\nhidden: 8\nlr: 0.2\n")
+  assert config.load_yaml("base: &b {lr: 1}\nother: {<<: *b, hidden: 2}") == {
+      "base": {"lr": 1}, "other": {"lr": 1, "hidden": 2}}
+  with pytest.raises(yaml.YAMLError, match="unhashable key"):
+    config.load_yaml("? [a, b]\n: 1\n")
